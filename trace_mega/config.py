@@ -1,0 +1,274 @@
+"""Typed dataclass configs, one per component, and the top-level `TrainConfig`.
+
+YAML files in `configs/` only set these fields; unknown keys are errors that
+name the dotted field path (see `configbase.load_config`). Each field has a
+docstring; units are in the names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from trace_mega.configbase import ConfigError, load_config, load_yaml, require, to_dict
+
+__all__ = [
+    "AllocationConfig", "PredictorConfig", "RolloutConfig", "EnvConfig", "ModelConfig",
+    "ParallelConfig", "OptimConfig", "LossConfig", "AdvantageConfig", "CreditConfig",
+    "CheckpointConfig", "TelemetryConfig", "TrainConfig", "ConfigError", "load_config",
+    "load_yaml", "to_dict",
+]
+
+
+@dataclass
+class AllocationConfig:
+    name: str = "trace"
+    """Allocator registry name: uniform | pcl | treepo | trace | trace_global."""
+    prompts_per_step: int = 64
+    """Candidate prompt pool size B drawn each step."""
+    root_rollouts_per_step: int = 256
+    """Root (bare) rollout budget M per step, shared by all prompts."""
+    rollouts_per_prompt_max: int = 8
+    """M_max: the most bare rollouts one prompt may get (m_i in {0, 2..M_max})."""
+    group_size: int = 4
+    """Fixed group size used by uniform / pcl / treepo (budget / group_size prompts are active)."""
+    continuations_per_rollout: float = 1.0
+    """N: mean continuation slots per bare rollout (prefix budget of prompt i is m_i * N)."""
+    continuations_per_prefix_max: Optional[int] = None
+    """Cap on continuations branched from one prefix (None: no cap)."""
+
+    def validate(self) -> None:
+        require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
+        require(self.root_rollouts_per_step >= 0, "root_rollouts_per_step", "must be >= 0")
+        require(self.root_rollouts_per_step != 1, "root_rollouts_per_step", "1 is infeasible (m_i is never 1)")
+        require(self.rollouts_per_prompt_max >= 2, "rollouts_per_prompt_max", "must be >= 2")
+        require(self.group_size >= 2, "group_size", "must be >= 2 (a lone rollout has no contrast)")
+        require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
+
+
+@dataclass
+class PredictorConfig:
+    backend: Literal["value_head", "small_model"] = "value_head"
+    """value_head: a head on the policy's hidden states at turn boundaries; small_model: a separate tiny model."""
+    lr: float = 1e-3
+    """Predictor learning rate."""
+    updates_per_step: int = 4
+    """Optimiser steps on the newest trees per trainer step."""
+    prefix_sample_fraction: Optional[float] = None
+    """Fraction of training samples that are prefixes (rest roots); None keeps the natural mix. Logged either way."""
+    calibration_bins: int = 10
+    """Bins of the ECE / reliability curve."""
+    fallback_to_uniform: bool = True
+    """Fall back to uniform allocation for the next step when the predictor is worse than a constant."""
+
+    def validate(self) -> None:
+        require(self.lr > 0, "lr", "must be > 0")
+        require(self.calibration_bins >= 2, "calibration_bins", "must be >= 2")
+        f = self.prefix_sample_fraction
+        require(f is None or 0.0 <= f <= 1.0, "prefix_sample_fraction", "must be in [0, 1]")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "torch"
+    """Rollout engine registry name: torch | vllm."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_new_tokens_per_turn: int = 64
+    """Generation stops after this many tokens in one turn (truncation becomes an error observation)."""
+    max_turns: int = 6
+    """Most ReAct turns per trajectory."""
+    max_total_tokens: int = 2048
+    """Most tokens (prompt + all turns) per trajectory."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory its KV cache may take (colocated with the learner)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prefixes when branching."""
+
+    def validate(self) -> None:
+        require(self.temperature >= 0, "temperature", "must be >= 0")
+        require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+
+
+@dataclass
+class EnvConfig:
+    name: str = "synthetic_tools"
+    """Environment registry name: synthetic | synthetic_tools | bfcl_multi_turn | multihop_qa | math_python."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Environment-specific keyword arguments (data paths, categories, limits)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit for one tool call."""
+
+
+@dataclass
+class ModelConfig:
+    hf_checkpoint: Optional[str] = None
+    """Directory of an HF checkpoint to initialise from (safetensors); None: random init from the fields below."""
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 128
+    """SwiGLU inner width (dense layers)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """KV heads (GQA)."""
+    head_dim: int = 16
+    """Channels per head (kv_channels)."""
+    vocab_size: int = 64
+    """Vocabulary size (padded to a multiple of the TP size internally)."""
+    max_position_embeddings: int = 1024
+    """Longest sequence RoPE is built for."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    qk_layernorm: bool = True
+    """Qwen3 q/k RMSNorm."""
+    tie_word_embeddings: bool = True
+    """Share input embedding and output layer."""
+    num_experts: Optional[int] = None
+    """MoE experts per layer (None: dense)."""
+    moe_router_topk: int = 2
+    """Experts per token."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Expert inner width (None: ffn_hidden_size)."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype."""
+    attention_backend: Literal["auto", "sdpa", "tree_triton"] = "auto"
+    """Core attention leaf: tree_triton on GPU with Triton, sdpa with a materialised tree mask otherwise."""
+
+
+@dataclass
+class ParallelConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda when available."""
+    tensor_model_parallel_size: int = 1
+    """TP degree."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree."""
+    expert_model_parallel_size: int = 1
+    """EP degree (MoE only)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (required for MoE with TP > 1)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks."""
+    micro_batch_tokens: int = 4096
+    """Packed tokens per micro-batch."""
+
+    def validate(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            require(getattr(self, name) >= 1, name, "must be >= 1")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the schedule."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad_norm: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+    def validate(self) -> None:
+        require(self.lr > 0, "lr", "must be > 0")
+
+
+@dataclass
+class LossConfig:
+    name: str = "ppo_clip_token"
+    """Loss registry name: ppo_clip_token (GRPO) | dapo | gspo."""
+    clip_eps_low: float = 0.2
+    """Lower clip range of the ratio."""
+    clip_eps_high: float = 0.2
+    """Upper clip range (DAPO clip-higher uses e.g. 0.28)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+
+
+@dataclass
+class AdvantageConfig:
+    name: str = "tree"
+    """Advantage estimator registry name: grpo | tree | gigpo."""
+    normalize_std: bool = False
+    """Divide group-relative advantages by the group's reward std."""
+
+
+@dataclass
+class CreditConfig:
+    enabled: bool = False
+    """TRACE-C turn credit from the frozen reference (composes with any advantage estimator)."""
+    epsilon: float = 0.1
+    """Offset eps in V(S_k) = log((-l_0 + eps) / (-l_k + eps))."""
+    lookahead_turns: int = 2
+    """K of the truncated K-step TD backup."""
+    gamma_td: float = 0.9
+    """Discount of the look-ahead."""
+    mixing: Literal["anchored", "broadcast"] = "anchored"
+    """anchored: turn k gets R_k, final turn R_K + A_out; broadcast: every turn A_out + beta * R_k."""
+    beta: float = 1.0
+    """Weight of the turn credit."""
+    answer_template: str = "\nFinal answer: "
+    """Text placed between a prefix and the gold answer when scoring it."""
+
+    def validate(self) -> None:
+        require(self.epsilon > 0, "epsilon", "must be > 0")
+        require(self.lookahead_turns >= 1, "lookahead_turns", "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory (None: no checkpoints)."""
+    every_steps: int = 10
+    """Save every this many steps."""
+    resume: bool = True
+    """Resume from the newest checkpoint in `dir` when there is one."""
+
+
+@dataclass
+class TelemetryConfig:
+    out_dir: str = "runs/default"
+    """Where metrics.jsonl, TensorBoard events and plots go."""
+    tensorboard: bool = True
+    """Also write TensorBoard events."""
+    progress_bars: bool = True
+    """tqdm bars on rollout and training phases."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    """Trainer steps."""
+    seed: int = 0
+    """Seed of data order, sampling and init."""
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    credit: CreditConfig = field(default_factory=CreditConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def validate(self) -> None:
+        require(self.steps >= 0, "steps", "must be >= 0")

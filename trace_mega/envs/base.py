@@ -1,0 +1,110 @@
+"""The environment contract and its registry.
+
+An environment owns a task set and the tools of its episodes. The agent loop
+(trace_mega.rollout.agent_loop) parses each model turn into a `ParsedTurn`,
+calls `step` for every tool call, and `reward` at the end. Malformed turns
+never reach `step`: the loop turns them into error observations itself.
+
+Branching a continuation from an intermediate turn needs the episode state at
+that turn, so states are forked with `fork` (a deep copy unless the env knows
+better, e.g. replaying tool calls).
+"""
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from trace_mega.registry import Registry
+
+
+@dataclass
+class ToolCall:
+    """One parsed function call."""
+
+    name: str
+    arguments: dict[str, Any]
+    call_id: Optional[str] = None
+
+
+@dataclass
+class ParsedTurn:
+    """A model turn after parsing: tool calls, a final answer, or an error."""
+
+    raw: str
+    """The generated text as decoded."""
+    thought: str = ""
+    """Text before the action (reasoning)."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    final_answer: Optional[str] = None
+    error: Optional[str] = None
+    """Why the turn could not be parsed (becomes an error observation)."""
+
+
+@dataclass
+class Task:
+    """One prompt of an environment's task set."""
+
+    task_id: str
+    messages: list[dict[str, Any]]
+    """Chat messages of the prompt (system + user), rendered by the tokenizer's chat template."""
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """JSON-schema tool descriptions offered to the model."""
+    gold_answer: Optional[str] = None
+    """Reference answer (rewards, TRACE-C probe)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EpisodeState:
+    """Mutable state of one episode; environments may subclass it."""
+
+    task: Task
+    data: dict[str, Any] = field(default_factory=dict)
+    """Env-specific state (API simulator instances, interpreter history, …)."""
+    history: list[ToolCall] = field(default_factory=list)
+    """Tool calls executed so far, in order."""
+
+
+class Env(ABC):
+    """Base class of every environment: a task set plus reset / step / reward."""
+
+    name: str = ""
+
+    @abstractmethod
+    def tasks(self, split: str = "train") -> list[Task]:
+        """The task set of `split`."""
+
+    def reset(self, task: Task) -> EpisodeState:
+        """Fresh state for a new episode of `task`."""
+        return EpisodeState(task=task)
+
+    @abstractmethod
+    def step(self, state: EpisodeState, call: ToolCall) -> str:
+        """Execute one tool call, mutating `state`; return the observation text.
+
+        Tool failures (bad arguments, exceptions, timeouts) are returned as
+        observation text, never raised.
+        """
+
+    @abstractmethod
+    def reward(self, state: EpisodeState, final_answer: Optional[str]) -> float:
+        """Terminal reward in {0, 1} (None: the episode ended without an answer)."""
+
+    def fork(self, state: EpisodeState) -> EpisodeState:
+        """An independent copy of `state` to branch a continuation from."""
+        return copy.deepcopy(state)
+
+    def close(self) -> None:
+        """Release resources (worker processes, indices)."""
+
+
+ENVS: Registry[type[Env]] = Registry("environment")
+
+
+def build_env(name: str, **options: Any) -> Env:
+    """Instantiate the environment registered as `name` with its options."""
+    import trace_mega.envs  # noqa: F401  (registers the built-in environments)
+
+    return ENVS.get(name)(**options)

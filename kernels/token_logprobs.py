@@ -1,0 +1,455 @@
+"""Fused target-token log-probs (and entropy) from hidden states x output embedding.
+
+Computes, for every token t of a packed stream,
+
+    z[t, v]    = (hidden[t] . weight[v]) / temperature          (never stored as [T, V])
+    lse[t]     = logsumexp_v z[t, v]
+    logprob[t] = z[t, targets[t]] - lse[t]
+    entropy[t] = lse[t] - sum_v softmax(z)[t, v] * z[t, v]
+
+in vocab chunks with an online (max, sum-exp, sum p*z) recurrence, so the peak extra
+memory is O(T * chunk + T * H + V * H) instead of the O(T * V) fp32 logits (and their
+log-softmax copy and gradient) that `log_softmax(hidden @ W.T).gather` materialises.
+
+Backends (chosen by `backend="auto"`):
+
+* ``"triton"`` -- on CUDA, or on CPU under ``TRITON_INTERPRET=1`` for small problems.
+  Forward: one program per token block loops over vocab chunks (tl.dot over H blocks)
+  and keeps the online statistics in registers. Backward: one program per
+  (token block, vocab block) tile recomputes the tile's logits, forms
+  dz = g_lp * (onehot - p) - g_ent * p * (z - mu), and atomically accumulates
+  dz @ W into dhidden and dz^T @ h into dweight (fp32 buffers). The fp32 atomics make
+  the GPU gradients non-deterministic in the last bits (summation order).
+* ``"torch"`` -- a pure-PyTorch chunked path with the same math and the same memory
+  bound (autograd.Function; loops over vocab chunks of ``chunk_size`` columns in the
+  forward and again, recomputing, in the backward). Used on CPU without the
+  interpreter, and under the interpreter when T * V_local exceeds
+  ``INTERPRET_MAX_ELEMS`` (the interpreter costs ~1 ms per op per program instance,
+  so large problems would take minutes -- other components' CPU tests use this op).
+
+Vocab parallelism (``tp_group`` given): each rank holds rows
+[vocab_start, vocab_start + V_local) of the output embedding and the full ``hidden``.
+Each rank computes per-row shard statistics (max m_r, sum-exp s_r relative to m_r,
+sum e^{z-m_r} z, and the target logit if the target is in its shard, else 0).
+Forward: exactly ONE collective -- an all_gather of the packed (4, T) fp32 statistics,
+combined locally (M = max_r m_r; s = sum_r s_r e^{m_r - M}; ...). Backward: exactly ONE
+collective -- an all_reduce(SUM) of dhidden over ``tp_group`` (as Megatron's
+ColumnParallelLinear input region does for the output layer), skipped when
+``reduce_grad_hidden=False`` (use that when an enclosing region already reduces the
+hidden gradient, e.g. sequence parallelism's reduce-scatter). dweight stays local.
+Every rank returns the same full (T,) outputs.
+
+Ignore index: every NEGATIVE target (the usual -100 included) is ignored: its logprob
+and entropy are 0 and it contributes no gradient. Targets must otherwise lie in
+[0, V_global); with tp_group=None this is checked (one host sync).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+try:  # Triton is optional at import time: the torch path must work without it.
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton is a declared dependency
+    _HAS_TRITON = False
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: Under the interpreter, problems larger than this (T * V_local) go to the torch path.
+INTERPRET_MAX_ELEMS = 1 << 18
+#: Default vocab chunk (columns) of the torch path.
+TORCH_CHUNK = 8192
+
+__all__ = [
+    "token_logprobs",
+    "token_logprobs_reference",
+    "token_logprobs_chunked_torch",
+    "INTERPRET_MAX_ELEMS",
+]
+
+
+# ----------------------------------------------------------------------------------
+# Reference (materialises the logits; the ground truth in tests and the bench baseline)
+# ----------------------------------------------------------------------------------
+def token_logprobs_reference(hidden, weight, targets, *, with_entropy=False, temperature=1.0):
+    """`log_softmax(hidden @ weight.T / temperature).gather(targets)`, fully materialised.
+
+    The matmul runs in the inputs' dtype (as a model's output layer does), the
+    log-softmax in fp32. Negative targets give logprob 0 / entropy 0. Single shard only
+    (weight holds the whole vocabulary). Returns fp32 (T,) [and entropy (T,)].
+    """
+    logits = (hidden @ weight.t()).float() / temperature  # (T, V) fp32
+    logp = torch.log_softmax(logits, dim=-1)  # (T, V)
+    valid = targets >= 0
+    lp = logp.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    lp = torch.where(valid, lp, torch.zeros_like(lp))
+    if not with_entropy:
+        return lp
+    ent = -(logp.exp() * logp).sum(-1)
+    ent = torch.where(valid, ent, torch.zeros_like(ent))
+    return lp, ent
+
+
+# ----------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------
+if _HAS_TRITON:
+
+    @triton.jit
+    def _fwd_stats_kernel(
+        H_ptr, W_ptr, TGT_ptr, OUT_ptr,  # OUT: (4, T) fp32 = [max, sumexp, sum e*z, z_target]
+        T, V, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh,
+        inv_temp,
+        WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        # local target column; out-of-shard / ignored rows never match a column
+        tgt = tl.load(TGT_ptr + offs_t, mask=mask_t, other=-1)  # (BT,) int64
+        h_row = offs_t.to(tl.int64) * stride_ht
+        m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_T], tl.float32)
+        a = tl.zeros([BLOCK_T], tl.float32)
+        zt = tl.zeros([BLOCK_T], tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            mask_v = offs_v < V
+            w_row = offs_v.to(tl.int64) * stride_wv
+            acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+            for h0 in range(0, HD, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                mask_h = offs_h < HD
+                hb = tl.load(H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
+                             mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BT, BH)
+                wb = tl.load(W_ptr + w_row[None, :] + offs_h[:, None] * stride_wh,
+                             mask=mask_h[:, None] & mask_v[None, :], other=0.0)  # (BH, BV)
+                if UPCAST:  # interpreter: bf16 is raw uint16 unless cast
+                    hb = hb.to(tl.float32)
+                    wb = wb.to(tl.float32)
+                acc = tl.dot(hb, wb, acc, input_precision=PREC)
+            z = tl.where(mask_v[None, :], acc * inv_temp, float("-inf"))  # (BT, BV)
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            alpha = tl.exp(m - m_new)
+            e = tl.exp(z - m_new[:, None])  # masked columns -> 0
+            s = s * alpha + tl.sum(e, axis=1)
+            if WITH_ENT:
+                # zero the -inf first: e * z would be 0 * -inf = nan on masked columns
+                a = a * alpha + tl.sum(e * tl.where(mask_v[None, :], z, 0.0), axis=1)
+            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+            m = m_new
+        tl.store(OUT_ptr + offs_t, m, mask=mask_t)
+        tl.store(OUT_ptr + T + offs_t, s, mask=mask_t)
+        tl.store(OUT_ptr + 2 * T + offs_t, a, mask=mask_t)
+        tl.store(OUT_ptr + 3 * T + offs_t, zt, mask=mask_t)
+
+    @triton.jit
+    def _bwd_kernel(
+        H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr, DH_ptr, DW_ptr,
+        T, V, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh,
+        inv_temp,
+        WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_t = offs_t < T
+        mask_v = offs_v < V
+        h_row = offs_t.to(tl.int64) * stride_ht
+        w_row = offs_v.to(tl.int64) * stride_wv
+        # recompute the (BT, BV) logit tile
+        acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+        for h0 in range(0, HD, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < HD
+            hb = tl.load(H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
+                         mask=mask_t[:, None] & mask_h[None, :], other=0.0)
+            wb = tl.load(W_ptr + w_row[None, :] + offs_h[:, None] * stride_wh,
+                         mask=mask_h[:, None] & mask_v[None, :], other=0.0)
+            if UPCAST:
+                hb = hb.to(tl.float32)
+                wb = wb.to(tl.float32)
+            acc = tl.dot(hb, wb, acc, input_precision=PREC)
+        z = acc * inv_temp  # (BT, BV)
+        lse = tl.load(LSE_ptr + offs_t, mask=mask_t, other=0.0)
+        glp = tl.load(GLP_ptr + offs_t, mask=mask_t, other=0.0)  # 0 on ignored rows
+        tgt = tl.load(TGT_ptr + offs_t, mask=mask_t, other=-1)
+        live = mask_t[:, None] & mask_v[None, :]
+        p = tl.where(live, tl.exp(z - lse[:, None]), 0.0)
+        onehot = (offs_v[None, :] == tgt[:, None]).to(tl.float32)
+        dz = glp[:, None] * (onehot - p)
+        if WITH_ENT:
+            mu = tl.load(MU_ptr + offs_t, mask=mask_t, other=0.0)
+            gent = tl.load(GENT_ptr + offs_t, mask=mask_t, other=0.0)
+            # dH/dz = -p (z - mu), mu = sum p z
+            dz -= gent[:, None] * p * (z - mu[:, None])
+        dz = tl.where(live, dz * inv_temp, 0.0)  # d/d(raw logit) = d/dz / temperature
+        if not UPCAST:
+            dz_mm = dz.to(H_ptr.dtype.element_ty)  # tensor-core operand in the input dtype
+        else:
+            dz_mm = dz
+        for h0 in range(0, HD, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < HD
+            hb = tl.load(H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
+                         mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BT, BH)
+            wb = tl.load(W_ptr + w_row[:, None] + offs_h[None, :] * stride_wh,
+                         mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BV, BH)
+            if UPCAST:
+                hb = hb.to(tl.float32)
+                wb = wb.to(tl.float32)
+            dh = tl.dot(dz_mm, wb, input_precision=PREC)  # (BT, BH)
+            tl.atomic_add(DH_ptr + offs_t[:, None].to(tl.int64) * HD + offs_h[None, :], dh,
+                          mask=mask_t[:, None] & mask_h[None, :])
+            dw = tl.dot(tl.trans(dz_mm), hb, input_precision=PREC)  # (BV, BH)
+            tl.atomic_add(DW_ptr + offs_v[:, None].to(tl.int64) * HD + offs_h[None, :], dw,
+                          mask=mask_v[:, None] & mask_h[None, :])
+
+
+def _triton_cfg(dtype):
+    """(BLOCK_T, BLOCK_V, BLOCK_H, UPCAST, PREC, num_warps) for the backend in use."""
+    if _INTERPRET:
+        # few, large program instances: the interpreter's cost is per op per instance
+        return 64, 512, 128, True, "ieee", 4
+    # GPU: bf16/fp16 use tensor cores natively; fp32 uses 3xTF32 (close to fp32 accuracy)
+    prec = "tf32x3" if dtype == torch.float32 else "tf32"
+    return 64, 128, 64, False, prec, 8
+
+
+def _stats_triton(hidden, weight, t_local, inv_temp, with_entropy, block_v=None):
+    T, HD = hidden.shape
+    V = weight.shape[0]
+    bt, bv, bh, upcast, prec, nw = _triton_cfg(hidden.dtype)
+    bv = block_v or bv
+    out = torch.empty(4, T, dtype=torch.float32, device=hidden.device)  # (4, T)
+    grid = (triton.cdiv(T, bt),)
+    _fwd_stats_kernel[grid](
+        hidden, weight, t_local, out, T, V, HD,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        float(inv_temp),
+        WITH_ENT=with_entropy, UPCAST=upcast, PREC=prec,
+        BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, num_warps=nw,
+    )
+    return out
+
+
+def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block_v=None):
+    T, HD = hidden.shape
+    V = weight.shape[0]
+    bt, bv, bh, upcast, prec, nw = _triton_cfg(hidden.dtype)
+    bv = block_v or bv
+    dh = torch.zeros(T, HD, dtype=torch.float32, device=hidden.device)  # (T, H) fp32 atomics
+    dw = torch.zeros(V, HD, dtype=torch.float32, device=hidden.device)  # (V, H)
+    with_ent = g_ent is not None
+    ge = g_ent if with_ent else g_lp  # dummy pointer when unused
+    grid = (triton.cdiv(T, bt), triton.cdiv(V, bv))
+    _bwd_kernel[grid](
+        hidden, weight, t_local, lse, mu, g_lp, ge, dh, dw, T, V, HD,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        float(inv_temp),
+        WITH_ENT=with_ent, UPCAST=upcast, PREC=prec,
+        BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, num_warps=nw,
+    )
+    return dh, dw
+
+
+# ----------------------------------------------------------------------------------
+# Chunked PyTorch path (same math, same memory bound)
+# ----------------------------------------------------------------------------------
+def _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk):
+    """Per-row shard statistics (4, T): [max, sumexp rel. max, sum e*z rel. max, z_target]."""
+    T = hidden.shape[0]
+    V = weight.shape[0]
+    h = hidden.float()  # (T, H) fp32: accumulate like the kernel does
+    m = torch.full((T,), float("-inf"), device=hidden.device)
+    s = torch.zeros(T, device=hidden.device)
+    a = torch.zeros(T, device=hidden.device)
+    zt = torch.zeros(T, device=hidden.device)
+    rows = torch.arange(T, device=hidden.device)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        z = (h @ weight[v0:v1].float().t()) * inv_temp  # (T, C) fp32, the only big buffer
+        m_new = torch.maximum(m, z.amax(1))
+        alpha = torch.exp(m - m_new)
+        z.sub_(m_new[:, None])
+        e = z.exp()  # (T, C)
+        s = s * alpha + e.sum(1)
+        if with_entropy:
+            # sum e * z_orig = sum e * (z - m_new) + m_new * sum e
+            a = a * alpha + (e * z).sum(1) + m_new * e.sum(1)
+        inside = (t_local >= v0) & (t_local < v1)
+        col = (t_local - v0).clamp(0, v1 - v0 - 1)
+        zt += torch.where(inside, z[rows, col] + m_new, torch.zeros_like(zt))
+        m = m_new
+        del z, e
+    return torch.stack([m, s, a, zt])
+
+
+def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk):
+    T, HD = hidden.shape
+    V = weight.shape[0]
+    h = hidden.float()  # (T, H)
+    dh = torch.zeros(T, HD, device=hidden.device)
+    dw = torch.empty(V, HD, device=hidden.device)
+    rows = torch.arange(T, device=hidden.device)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        w = weight[v0:v1].float()  # (C, H)
+        z = (h @ w.t()) * inv_temp  # (T, C)
+        p = torch.exp(z - lse[:, None])
+        if g_ent is not None:
+            dz = -(g_lp[:, None] * p) - g_ent[:, None] * p * (z - mu[:, None])
+        else:
+            dz = -(g_lp[:, None] * p)
+        inside = (t_local >= v0) & (t_local < v1)
+        col = (t_local - v0).clamp(0, v1 - v0 - 1)
+        dz[rows[inside], col[inside]] += g_lp[inside]
+        dz *= inv_temp
+        dh.addmm_(dz, w)
+        dw[v0:v1] = dz.t() @ h
+        del z, p, dz
+    return dh, dw
+
+
+# ----------------------------------------------------------------------------------
+# autograd + dispatch
+# ----------------------------------------------------------------------------------
+def _combine(stats, tp_group):
+    """Combine (4, T) shard statistics into global (lse, mu, z_target); 1 collective if TP."""
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        world = dist.get_world_size(tp_group)
+        allst = torch.empty(world, *stats.shape, dtype=stats.dtype, device=stats.device)
+        dist.all_gather_into_tensor(allst, stats.contiguous(), group=tp_group)  # (R, 4, T)
+        m_r, s_r, a_r, zt_r = allst.unbind(1)  # each (R, T)
+        M = m_r.amax(0)
+        scale = torch.exp(m_r - M)  # (R, T)
+        s = (s_r * scale).sum(0)
+        a = (a_r * scale).sum(0)
+        zt = zt_r.sum(0)  # only the owning shard contributed a nonzero
+        m = M
+    else:
+        m, s, a, zt = stats.unbind(0)
+    lse = m + torch.log(s)
+    mu = a / s
+    return lse, mu, zt
+
+
+class _TokenLogprobsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_start, tp_group, with_entropy,
+                inv_temp, backend, chunk, reduce_grad_hidden):
+        valid = targets >= 0  # (T,) bool
+        # local column of the target; -1 (matches no column) for ignored rows. Targets of
+        # other shards fall outside [0, V_local) and match nothing either.
+        t_local = torch.where(valid, targets - vocab_start, torch.full_like(targets, -1))
+        if backend == "triton":
+            stats = _stats_triton(hidden, weight, t_local, inv_temp, with_entropy, chunk)
+        else:
+            stats = _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk)
+        lse, mu, zt = _combine(stats, tp_group)
+        zero = torch.zeros_like(lse)
+        lp = torch.where(valid, zt - lse, zero)
+        ent = torch.where(valid, lse - mu, zero) if with_entropy else zero
+        ctx.save_for_backward(hidden, weight, t_local, lse, mu, valid)
+        ctx.cfg = (tp_group, with_entropy, inv_temp, backend, chunk, reduce_grad_hidden)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, t_local, lse, mu, valid = ctx.saved_tensors
+        tp_group, with_entropy, inv_temp, backend, chunk, reduce_grad_hidden = ctx.cfg
+        zero = torch.zeros_like(lse)
+        g_lp = zero if g_lp is None else torch.where(valid, g_lp.float(), zero).contiguous()
+        if with_entropy and g_ent is not None:
+            g_ent = torch.where(valid, g_ent.float(), zero).contiguous()
+        else:
+            g_ent = None
+        if backend == "triton":
+            dh, dw = _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
+        else:
+            dh, dw = _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
+        if tp_group is not None and reduce_grad_hidden and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(dh, group=tp_group)  # every shard's contribution to dhidden
+        dh = dh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None, None, None, None, None, None
+
+
+def _pick_backend(hidden, weight, backend):
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend != "auto":
+        if backend == "triton" and not (_HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
+            raise RuntimeError("backend='triton' needs CUDA or TRITON_INTERPRET=1 set "
+                               "before importing trace_mega.kernels.token_logprobs")
+        return backend
+    if _HAS_TRITON and hidden.is_cuda:
+        return "triton"
+    if _HAS_TRITON and _INTERPRET and hidden.shape[0] * weight.shape[0] <= INTERPRET_MAX_ELEMS:
+        return "triton"
+    return "torch"
+
+
+def token_logprobs(hidden, weight, targets, *, chunk_size=None, tp_group=None, vocab_start=0,
+                   with_entropy=False, temperature=1.0, backend="auto",
+                   reduce_grad_hidden=True):
+    """Target-token log-probs (and entropy) of `softmax(hidden @ weight.T / temperature)`.
+
+    Args:
+        hidden: (T, H) float tensor (any float dtype; accumulation is fp32).
+        weight: (V_local, H) output-embedding shard (V_local = V when tp_group is None).
+        targets: (T,) int64 GLOBAL vocab ids; any negative id (e.g. -100) is ignored:
+            logprob 0, entropy 0, no gradient.
+        chunk_size: vocab columns per chunk. Torch path: default 8192. Triton path: the
+            BLOCK_V tile (power of two >= 16), default 128 on GPU, 512 interpreted.
+        tp_group: process group of the vocab-parallel shards, or None.
+        vocab_start: first global vocab id held by this rank's ``weight``.
+        with_entropy: also return the entropy of the (tempered) distribution.
+        temperature: logits are divided by it (> 0).
+        backend: "auto" | "triton" | "torch" (see the module docstring).
+        reduce_grad_hidden: all-reduce dhidden over tp_group in the backward (default);
+            False leaves each rank's partial dhidden for an enclosing reduction.
+    Returns:
+        logprobs (T,) fp32, and entropy (T,) fp32 when ``with_entropy``; differentiable
+        w.r.t. hidden and weight.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden (T, H) and weight (V, H); got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be ({hidden.shape[0]},), got {tuple(targets.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if tp_group is None and vocab_start != 0:
+        raise ValueError("vocab_start != 0 needs a tp_group")
+    targets = targets.long()
+    if tp_group is None and targets.numel() and bool((targets >= weight.shape[0]).any()):
+        raise ValueError(f"targets must be < V = {weight.shape[0]} (or negative = ignored)")
+    be = _pick_backend(hidden, weight, backend)
+    if be == "triton":
+        if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+            raise ValueError("Triton chunk_size must be a power of two >= 16")
+        chunk = chunk_size
+    else:
+        chunk = chunk_size or TORCH_CHUNK
+    lp, ent = _TokenLogprobsFn.apply(hidden, weight, targets, int(vocab_start), tp_group,
+                                     bool(with_entropy), 1.0 / float(temperature), be, chunk,
+                                     bool(reduce_grad_hidden))
+    return (lp, ent) if with_entropy else lp
+
+
+def token_logprobs_chunked_torch(hidden, weight, targets, **kw):
+    """`token_logprobs(..., backend="torch")` -- the chunked PyTorch implementation."""
+    return token_logprobs(hidden, weight, targets, backend="torch", **kw)

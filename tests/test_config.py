@@ -1,0 +1,68 @@
+import pytest
+import yaml
+
+from trace_mega.config import ConfigError, TrainConfig, load_config, load_yaml, to_dict
+from trace_mega.registry import Registry
+
+
+def test_defaults_round_trip():
+    cfg = load_config(TrainConfig, {})
+    assert load_config(TrainConfig, to_dict(cfg)) == cfg
+
+
+def test_unknown_key_names_the_dotted_field():
+    with pytest.raises(ConfigError, match=r"^allocation\.budget: unknown key for AllocationConfig"):
+        load_config(TrainConfig, {"allocation": {"budget": 3}})
+    with pytest.raises(ConfigError, match=r"^stepz: unknown key"):
+        load_config(TrainConfig, {"stepz": 3})
+
+
+@pytest.mark.parametrize(
+    "data, pattern",
+    [
+        ({"steps": "ten"}, r"^steps: expected int"),
+        ({"steps": True}, r"^steps: expected int, got bool"),
+        ({"model": {"params_dtype": "fp8"}}, r"^model\.params_dtype: 'fp8' is not one of"),
+        ({"allocation": {"root_rollouts_per_step": 1}}, r"^allocation\.root_rollouts_per_step: 1 is infeasible"),
+        ({"allocation": {"group_size": 1}}, r"^allocation\.group_size: must be >= 2"),
+        ({"credit": {"epsilon": 0.0}}, r"^credit\.epsilon: must be > 0"),
+        ({"rollout": "torch"}, r"^rollout: expected a mapping"),
+    ],
+)
+def test_bad_values_fail_at_load_with_the_field(data, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(TrainConfig, data)
+
+
+def test_int_is_accepted_for_float_fields_and_optional_none():
+    cfg = load_config(TrainConfig, {"optim": {"lr": 1}, "allocation": {"continuations_per_prefix_max": None}})
+    assert isinstance(cfg.optim.lr, float) and cfg.allocation.continuations_per_prefix_max is None
+
+
+def test_yaml_with_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"steps": 3, "allocation": {"name": "uniform"}}))
+    cfg = load_yaml(TrainConfig, path, ["allocation.name=trace", "optim.lr=0.5", "env.options.n=4"])
+    assert cfg.steps == 3 and cfg.allocation.name == "trace" and cfg.optim.lr == 0.5
+    assert cfg.env.options == {"n": 4}
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_yaml(TrainConfig, path, ["steps"])
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    for path in configs:
+        load_yaml(TrainConfig, path)
+
+
+def test_registry_lists_valid_names_on_error():
+    reg: Registry[int] = Registry("widget")
+    reg.register("b")(2)
+    reg.register("a")(1)
+    assert reg.get("a") == 1 and reg.names() == ["a", "b"] and "b" in reg
+    with pytest.raises(KeyError, match=r"unknown widget 'c'; valid names: a, b"):
+        reg.get("c")
+    with pytest.raises(KeyError, match="registered twice"):
+        reg.register("a")(3)

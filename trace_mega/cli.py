@@ -1,0 +1,86 @@
+"""`trace-mega demo | train | eval | bench`.
+
+* `demo`  — the embedded default: a tiny GPT policy on a learnable synthetic
+  environment, on CPU, `uniform` GRPO vs `trace` at equal rollout budget, with
+  a Markdown + PNG report.
+* `train --config FILE [key=value ...]` — one training run (under torchrun for
+  TP/PP/EP/DP: `torchrun --nproc-per-node 2 -m trace_mega.cli train ...`).
+* `eval --config FILE` — success rate of the current (or a checkpointed) policy.
+* `bench NAME [args]` — runs `benchmarks/bench_NAME.py` of this checkout.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _bench(argv: list[str]) -> int:
+    names = sorted(p.stem[len("bench_"):] for p in BENCH_DIR.glob("bench_*.py"))
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: trace-mega bench NAME [options]; NAME is one of: {', '.join(names)}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    path = BENCH_DIR / f"bench_{name}.py"
+    if not path.is_file():
+        print(f"unknown benchmark {name!r}; valid names: {', '.join(names)} (looked in {BENCH_DIR})", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(rest)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    parser = argparse.ArgumentParser(prog="trace-mega", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_demo = sub.add_parser("demo", help="tiny CPU run: uniform GRPO vs TRACE at equal budget, with a report")
+    p_demo.add_argument("--out", default="runs/demo", help="output directory of the report")
+    p_demo.add_argument("--config", default=None, help="base config (default: configs/demo_cpu.yaml)")
+    p_demo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
+    p_train = sub.add_parser("train", help="train from a YAML config")
+    p_train.add_argument("--config", required=True)
+    p_train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. allocation.name=uniform")
+    p_eval = sub.add_parser("eval", help="evaluate the policy of a config (from its checkpoint if any)")
+    p_eval.add_argument("--config", required=True)
+    p_eval.add_argument("--split", default="test")
+    p_eval.add_argument("overrides", nargs="*")
+    sub.add_parser("bench", help="run benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from trace_mega.config import ConfigError, TrainConfig, load_yaml
+
+    try:
+        if args.cmd == "demo":
+            from trace_mega.demo import run_demo
+
+            run_demo(out_dir=args.out, config_path=args.config, overrides=args.overrides)
+            return 0
+        cfg = load_yaml(TrainConfig, args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"invalid config: {exc}", file=sys.stderr)
+        return 2
+    from trace_mega.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        if args.cmd == "train":
+            trainer.train()
+        else:
+            print(trainer.evaluate(args.split))
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The success predictor Ṽψ(H): probability that continuing from a history succeeds.
+
+Two backends behind `PREDICTORS`:
+
+* `value_head` — a linear head on the policy's own final hidden states at each
+  node's last token (no extra model). The policy's packed forward provides the
+  hidden states; the head trains on them detached, so it never moves the policy.
+* `small_model` — a separate small transformer over the packed tokens with the
+  tree attention rule, so every prefix of a packed batch is scored in one pass.
+
+Both score arbitrary nodes of a `PackedTrees` batch in one batched call
+(`trace_mega.kernels.boundary_scoring` gathers the boundary hidden states,
+applies the head and the sigmoid) and train online with binary cross-entropy
+on the soft targets of `targets.predictor_samples`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trace_mega.config import PredictorConfig
+from trace_mega.kernels.boundary_scoring import boundary_scores
+from trace_mega.predictor.calibration import calibration
+from trace_mega.predictor.targets import PredictorSamples
+from trace_mega.registry import Registry
+from trace_mega.rollout.tree import PackedTrees
+
+
+class Predictor(ABC, nn.Module):
+    """Common interface: score nodes of a packed batch; fit on tree targets."""
+
+    needs_policy_hidden: bool = False
+
+    def __init__(self, cfg: PredictorConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    @abstractmethod
+    def node_logits(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
+        """(S,) logits of success for `nodes` (global ids) of `packed`; differentiable."""
+
+    @torch.no_grad()
+    def predict(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(S,) predicted success probabilities in [0, 1]."""
+        was_training = self.training
+        self.eval()
+        out = torch.sigmoid(self.node_logits(packed, nodes, hidden).float())
+        self.train(was_training)
+        return out
+
+    def fit(self, packed: PackedTrees, samples: PredictorSamples, hidden: Optional[torch.Tensor] = None) -> dict:
+        """`cfg.updates_per_step` BCE steps on `samples`; returns metrics.
+
+        The calibration is measured on the predictions made *before* the update,
+        i.e. on trees the predictor has not trained on yet (held-out by time).
+        """
+        if samples.node.numel() == 0:
+            return {"predictor/samples": 0}
+        before = self.predict(packed, samples.node, hidden)
+        cal = calibration(before, samples.target, self.cfg.calibration_bins)
+        loss = torch.zeros(())
+        for _ in range(self.cfg.updates_per_step):
+            logits = self.node_logits(packed, samples.node, hidden).float()
+            loss = F.binary_cross_entropy_with_logits(logits, samples.target, weight=samples.weight)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+        return {
+            "predictor/loss": float(loss.detach()),
+            "predictor/brier": cal.brier,
+            "predictor/brier_constant": cal.brier_constant,
+            "predictor/skill": cal.skill,
+            "predictor/ece": cal.ece,
+            "predictor/samples": samples.node.numel(),
+            "predictor/prefix_fraction": samples.prefix_fraction,
+            "_calibration": cal,
+        }
+
+    def build_optimizer(self) -> None:
+        self.optimizer = torch.optim.Adam(self.parameters(), lr=self.cfg.lr)
+
+
+PREDICTORS: Registry[type[Predictor]] = Registry("predictor backend")
+
+
+@PREDICTORS.register("value_head")
+class ValueHeadPredictor(Predictor):
+    """sigmoid(w · h + b) on the policy's final hidden state at each node's last token."""
+
+    needs_policy_hidden = True
+
+    def __init__(self, cfg: PredictorConfig, hidden_size: int, **_: object) -> None:
+        super().__init__(cfg)
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)  # starts at 0.5 everywhere: the uninformed prior
+        self.build_optimizer()
+
+    def node_logits(self, packed, nodes, hidden):
+        if hidden is None:
+            raise ValueError("value_head predictor needs the policy's hidden states (T, H)")
+        positions = packed.node_last_token()[nodes].to(hidden.device)
+        return boundary_scores(hidden.detach(), positions, self.head.weight.view(-1), self.head.bias.view(()),
+                               return_logits=True)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.norm2 = nn.RMSNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        T, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(T, 3, self.heads, d // self.heads).unbind(1)  # (T, H, Dh) each
+        att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        x = x + self.proj(att.transpose(0, 1).reshape(T, d))
+        return x + self.mlp(self.norm2(x))
+
+
+@PREDICTORS.register("small_model")
+class SmallModelPredictor(Predictor):
+    """A separate small transformer over the packed tokens (tree attention), value head at node ends."""
+
+    def __init__(self, cfg: PredictorConfig, vocab_size: int, max_positions: int = 4096,
+                 width: int = 64, layers: int = 2, heads: int = 4, **_: object) -> None:
+        super().__init__(cfg)
+        self.embed = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(max_positions, width)
+        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, 1)
+        self.max_positions = max_positions
+        self.build_optimizer()
+
+    def encode(self, packed: PackedTrees) -> torch.Tensor:
+        """(T, width) final hidden states of the packed stream."""
+        dev = self.embed.weight.device
+        node, exit_ = packed.token_node.to(dev), packed.token_node_exit.to(dev)
+        idx = torch.arange(node.numel(), device=dev)
+        # The tree rule of docs/PACKING.md, materialised: the predictor sees small batches.
+        mask = (node[None, :] <= node[:, None]) & (node[:, None] <= exit_[None, :]) & (idx[None, :] <= idx[:, None])
+        x = self.embed(packed.tokens.to(dev)) + self.pos(packed.position_ids.to(dev).clamp(max=self.max_positions - 1))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x)
+
+    def node_logits(self, packed, nodes, hidden=None):
+        h = self.encode(packed)
+        positions = packed.node_last_token()[nodes].to(h.device)
+        return boundary_scores(h, positions, self.head.weight.view(-1), self.head.bias.view(()), return_logits=True)
+
+
+def build_predictor(cfg: PredictorConfig, *, hidden_size: int, vocab_size: int) -> Predictor:
+    """The configured backend; `hidden_size` feeds value_head, `vocab_size` small_model."""
+    return PREDICTORS.get(cfg.backend)(cfg, hidden_size=hidden_size, vocab_size=vocab_size)

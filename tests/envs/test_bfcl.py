@@ -1,0 +1,171 @@
+"""bfcl_multi_turn: ground-truth replay, corrupted replays, turn protocol, fork, timeouts."""
+import copy
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("bfcl_eval", reason="pip install --no-deps -r requirements/nodeps.txt")
+
+from trace_mega.envs import build_env  # noqa: E402
+from trace_mega.envs.base import ToolCall  # noqa: E402
+from trace_mega.envs.bfcl import (  # noqa: E402
+    CATEGORIES,
+    BFCLMultiTurnEnv,
+    _run_with_timeout,
+    ground_truth_calls,
+    replay,
+)
+
+
+@pytest.fixture(scope="module", params=CATEGORIES)
+def category_env(request):
+    return BFCLMultiTurnEnv(categories=(request.param,))
+
+
+def test_registered():
+    env = build_env("bfcl_multi_turn", categories=["base"], max_tasks_per_category=3)
+    assert isinstance(env, BFCLMultiTurnEnv) and len(env.tasks()) == 3
+
+
+def test_ground_truth_replay_scores_one_on_every_task(category_env):
+    tasks = category_env.tasks("test")
+    assert len(tasks) == 200
+    failed = [t.task_id for t in tasks if replay(category_env, t, ground_truth_calls(t)) != 1.0]
+    assert failed == []
+
+
+def test_dropping_a_call_scores_zero(category_env):
+    passed = []
+    for task in category_env.tasks("test"):
+        turns = ground_truth_calls(task)
+        last = max(i for i, t in enumerate(turns) if t)
+        del turns[last][-1]
+        if replay(category_env, task, turns) != 0.0:
+            passed.append(task.task_id)
+    assert passed == []
+
+
+def _altered(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 7
+    if isinstance(value, str):
+        return value + "_x"
+    return value[:-1] if value else ["x"]
+
+
+def test_altering_an_argument_scores_zero_nearly_always(category_env):
+    """Alter the first argument of the last call that has one.
+
+    A few alterations are legitimately invisible to the official checker (e.g.
+    `ls(a=False)` in a directory without hidden files returns the same listing),
+    so nearly all, not all, must fail.
+    """
+    tasks = category_env.tasks("test")
+    passed = []
+    for task in tasks:
+        turns = ground_truth_calls(task)
+        call = next(c for t in reversed(turns) for c in reversed(t) if c.arguments)
+        key = next(iter(call.arguments))
+        call.arguments[key] = _altered(call.arguments[key])
+        if replay(category_env, task, turns) != 0.0:
+            passed.append(task.task_id)
+    assert len(passed) <= 0.02 * len(tasks), passed
+
+
+def test_stopping_before_the_last_turn_scores_zero():
+    env = BFCLMultiTurnEnv(categories=("base",), max_tasks_per_category=5)
+    task = env.tasks()[0]
+    turns = ground_truth_calls(task)
+    assert replay(env, task, turns[:-1]) == 0.0
+
+
+def test_turn_protocol_and_observations():
+    env = BFCLMultiTurnEnv(categories=("base",), max_tasks_per_category=1)
+    task = env.tasks()[0]
+    entry = task.meta["entry"]
+    assert task.messages[0]["role"] == "system" and "<answer>" in task.messages[0]["content"]
+    assert task.messages[1:] == entry["question"][0]
+    names = {t["function"]["name"] for t in task.tools}
+    assert {"cd", "ls", "mv"} <= names
+    assert all(t["function"]["parameters"]["type"] == "object" for t in task.tools)
+    state = env.reset(task)
+    assert env.step(state, ToolCall("no_such_tool", {})).startswith("Error during execution")
+    assert "Error during execution" in env.step(state, ToolCall("cd", {"nope": 1}))
+    out = env.step(state, ToolCall("ls", {}))
+    assert json.loads(out)["current_directory_content"]
+    for i in range(1, len(entry["question"])):
+        assert env.next_turn(state, "ok") == entry["question"][i]
+    assert env.next_turn(state, "ok") is None
+
+
+def test_miss_func_reveals_held_out_functions():
+    env = BFCLMultiTurnEnv(categories=("miss_func",), max_tasks_per_category=1)
+    task = env.tasks()[0]
+    (turn, names), = task.meta["entry"]["missed_function"].items()
+    visible = {t["function"]["name"] for t in task.tools}
+    assert not set(names) & visible
+    state = env.reset(task)
+    for i in range(1, int(turn) + 1):
+        message = env.next_turn(state, "ok")
+    assert all(n in message[0]["content"] for n in names)
+    assert set(names) <= {t["function"]["name"] for t in state.data["tools"]}
+
+
+def test_fork_is_independent():
+    env = BFCLMultiTurnEnv(categories=("base",), max_tasks_per_category=1)
+    task = env.tasks()[0]
+    turns = ground_truth_calls(task)
+    state = env.reset(task)
+    for call in turns[0]:
+        env.step(state, call)
+    child = env.fork(state)
+    assert child.task is state.task
+    env.step(child, ToolCall("mkdir", {"dir_name": "only_in_child"}))
+    assert "only_in_child" not in env.step(state, ToolCall("ls", {}))
+    assert "only_in_child" in env.step(child, ToolCall("ls", {}))
+    # the original still replays to reward 1 (its extra `ls` changes no state)
+    for i, calls in enumerate(turns[1:], start=1):
+        env.next_turn(state, "ok")
+        for call in calls:
+            env.step(state, call)
+    assert env.reward(state, "ok") == 1.0
+    assert len(child.data["turn_calls"]) == 1
+
+
+def test_concurrent_checks_of_one_task_stay_apart():
+    env = BFCLMultiTurnEnv(categories=("base",), max_tasks_per_category=2)
+    task = env.tasks()[1]
+    good = ground_truth_calls(task)
+    bad = copy.deepcopy(good)
+    del bad[0][-1]
+    results = {}
+
+    def run(key, turns):
+        results[key] = [replay(env, task, turns) for _ in range(5)]
+
+    threads = [threading.Thread(target=run, args=(k, t)) for k, t in (("good", good), ("bad", bad))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {"good": [1.0] * 5, "bad": [0.0] * 5}
+
+
+def test_run_with_timeout_abandons_a_runaway_call():
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    start = time.monotonic()
+    finished, _ = _run_with_timeout(spin, 0.2)
+    stop.set()
+    assert not finished and time.monotonic() - start < 2.0
+    assert _run_with_timeout(lambda: 3, 1.0) == (True, 3)
+    finished, err = _run_with_timeout(lambda: 1 / 0, 1.0)
+    assert finished and isinstance(err, ZeroDivisionError)

@@ -1,0 +1,12 @@
+"""TRACE-A rollout budget allocation: exact batched solvers and the allocator registry.
+
+* `root_value`, `allocate_roots` — stage 1, global root allocation (SPEC §3.2).
+* `prefix_value`, `allocate_prefixes` — stage 2, prefix expansion per prompt or
+  with a global pool (SPEC §3.3).
+* `ALLOCATORS`, `build_allocator`, `Allocator` — uniform | pcl | treepo | trace |
+  trace_global, all spending the same number of trajectories per step.
+"""
+from trace_mega.allocation.prefix import allocate_prefixes, flip_probability, prefix_value
+from trace_mega.allocation.root import allocate_roots, root_value
+
+__all__ = ["root_value", "allocate_roots", "prefix_value", "flip_probability", "allocate_prefixes"]

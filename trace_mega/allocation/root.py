@@ -1,0 +1,148 @@
+"""Stage 1 of TRACE-A: exact global root allocation (SPEC §3.2).
+
+    maximise  sum_i V_root(v_i, m_i),  V_root(v, m) = 1 - v^m - (1-v)^m
+    s.t.      sum_i m_i = budget,  m_i in {0} ∪ {2, ..., max_rollouts}
+
+Algorithm (exact, batched, no host sync):
+
+1. Relaxation. Treat the 0 -> 2 step as two half units of gain v(1-v) each.
+   After it come the units g_3 = v(1-v) >= g_4 >= ... The unit gains of each
+   prompt are then non-increasing, so the top-`budget` units over all prompts
+   (one stable sort) give the optimum of the concave-envelope relaxation.
+   Ties go by prompt index, so a prompt's tied units are contiguous and at
+   most one prompt j ends on an odd half (c_j = 1). If none does, the
+   relaxation is feasible, hence optimal.
+2. Parity fix-up. Otherwise c' = c - e_j is the exact optimum for budget-1.
+   Every unit it takes has gain >= λ = v_j(1-v_j), and every unit it leaves
+   has gain <= λ. By an exchange argument, an optimum for `budget` is c' plus
+   the best of three moves of net +1 unit:
+     M1  one more unit for an active prompt below max_rollouts;
+     M2  activate the best inactive prompt l (+2), and drop the cheapest tail
+         unit of a prompt with c' >= 3 (-1);
+     M3  activate l with 3 units (+3), and deactivate the active prompt with
+         the smallest v(1-v) among those with c' = 2 (-2).
+   Proof sketch: write any optimum as c' plus per-prompt changes. Each added
+   unit loses λ - gain >= 0 and each removed unit loses gain - λ >= 0 against
+   a net +λ. The changes always contain an M1, M2 or M3 sub-move whose loss is
+   no larger: a raised active prompt gives M1; a shortened active prompt
+   together with an activation gives M2; and when only activations and
+   deactivations are left, a deactivated prompt with c' >= 3 gives M2, and
+   otherwise the net +1 forces an activation of >= 3 units against a
+   2-unit deactivation, which is M3. `tests/allocation` checks this against
+   an exhaustive DP on many random and adversarial instances.
+
+Defined edge cases: budget 0 gives all zeros. Budget 1, a negative budget,
+or an odd budget with max_rollouts = 2 raise ValueError (no exact
+allocation exists). With budget >= B * max_rollouts every prompt gets
+max_rollouts, so the result sums to less than the budget. NaN, or v outside
+[0, 1], raises ValueError.
+"""
+from __future__ import annotations
+
+import torch
+
+from trace_mega.kernels.allocation import root_relaxed_counts, root_unit_gains
+
+__all__ = ["root_value", "allocate_roots"]
+
+
+def root_value(v: torch.Tensor, m: torch.Tensor | int) -> torch.Tensor:
+    """P(m rollouts at success rate v hold a success and a failure) = 1 - v^m - (1-v)^m, element-wise.
+
+    m = 0 (the prompt is skipped) is defined as 0; the formula's -1 there has no meaning.
+    m = 1 gives 0, as the formula does. Broadcasts `v` against `m`.
+    """
+    v = torch.as_tensor(v)
+    v = v if v.is_floating_point() else v.to(torch.get_default_dtype())
+    m = torch.as_tensor(m, device=v.device)
+    val = 1.0 - v ** m - (1.0 - v) ** m
+    return torch.where(m == 0, torch.zeros_like(val), val)
+
+
+def _check_v(v: torch.Tensor, name: str = "v") -> None:
+    """Raise ValueError for NaN or values outside [0, 1] (one host sync)."""
+    bad = torch.isnan(v) | (v < 0) | (v > 1)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"{name} must lie in [0, 1] without NaN; {name}[{i}] = {float(v[i])}")
+
+
+def _check_budget(budget: int, max_rollouts: int, capacity: int) -> None:
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if budget == 1:
+        raise ValueError("budget 1 is infeasible: a prompt gets 0 or >= 2 rollouts (a lone rollout has no contrast)")
+    if max_rollouts == 2 and budget % 2 == 1 and budget < capacity:
+        raise ValueError(f"odd budget {budget} cannot be spent exactly with max_rollouts = 2 (every m_i is 0 or 2)")
+
+
+def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: int, *, check: bool = True) -> torch.Tensor:
+    """Exact maximiser m (LongTensor[B], on v's device) of sum_i root_value(v_i, m_i) (see the module doc).
+
+    Args:
+        v: (B,) predicted success probabilities in [0, 1].
+        budget: total root rollouts M, a Python int or a 0-d integer tensor.
+        max_rollouts: M_max >= 2.
+        check: validate v and a tensor budget. This reads values back to the
+            host (one sync). Pass False on the GPU hot path: invalid input
+            then gives unspecified output, and an infeasible tensor budget
+            (1, or odd with max_rollouts = 2) spends budget - 1.
+
+    Ties in the objective are broken by prompt index: lower indices win.
+    """
+    if max_rollouts < 2:
+        raise ValueError(f"max_rollouts must be >= 2, got {max_rollouts}")
+    if v.dim() != 1:
+        raise ValueError(f"v must be 1-D (B,), got shape {tuple(v.shape)}")
+    B = v.shape[0]
+    capacity = B * max_rollouts
+    if isinstance(budget, torch.Tensor):
+        if budget.dim() != 0 or budget.is_floating_point():
+            raise ValueError("a tensor budget must be a 0-d integer tensor")
+        if check:
+            _check_budget(int(budget), max_rollouts, capacity)
+        bud = budget.to(device=v.device, dtype=torch.long)
+    else:
+        _check_budget(int(budget), max_rollouts, capacity)
+        bud = torch.tensor(int(budget), dtype=torch.long, device=v.device)
+    if check:
+        _check_v(v)
+    if B == 0:
+        return torch.zeros(0, dtype=torch.long, device=v.device)
+    bud = torch.clamp(bud, max=capacity)
+
+    U = root_unit_gains(v, max_rollouts)  # (B, Mmax) float64, rows non-increasing
+    c = root_relaxed_counts(U, bud)  # (B,)
+    split = c == 1  # at most one prompt
+    has_split = split.any()  # 0-d bool tensor, stays on device
+    cp = c - split.long()  # optimum for budget - 1
+    inf = torch.tensor(torch.inf, dtype=torch.float64, device=v.device)
+    a = U[:, 0]  # (B,) v(1-v)
+
+    # M1: the best next unit of an active prompt below the cap.
+    nxt = U.gather(1, cp.clamp(max=max_rollouts - 1)[:, None]).squeeze(1)
+    d1_all = torch.where((cp >= 2) & (cp < max_rollouts), nxt, -inf)
+    i1 = torch.argmax(d1_all)
+    # The best inactive prompt to activate (shared by M2 and M3).
+    a_in = torch.where(cp == 0, a, -inf)
+    l = torch.argmax(a_in)
+    # M2: activate l with 2 units, drop the cheapest last unit of a prompt with c' >= 3.
+    last = U.gather(1, (cp - 1).clamp(min=0)[:, None]).squeeze(1)
+    rem_all = torch.where(cp >= 3, last, inf)
+    i2 = torch.argmin(rem_all)
+    d2 = 2.0 * a_in[l] - rem_all[i2]
+    # M3: activate l with 3 units, deactivate the weakest prompt with c' = 2.
+    two_all = torch.where(cp == 2, a, inf)
+    i3 = torch.argmin(two_all)
+    if max_rollouts >= 3:
+        d3 = U[l, :3].sum() - 2.0 * two_all[i3]
+        d3 = torch.where(torch.isfinite(a_in[l]), d3, -inf)
+    else:
+        d3 = -inf
+    deltas = torch.stack([d1_all[i1], d2, d3])  # (3,)
+    choice = torch.argmax(deltas)  # first maximum: M1 before M2 before M3 on ties
+    apply = (has_split & (deltas.max() > -inf)).long()
+    pick = (choice == torch.arange(3, device=v.device)).long() * apply  # (3,) one-hot or zeros
+    idx = torch.stack([i1, l, i2, l, i3])
+    delta_m = torch.stack([pick[0], 2 * pick[1], -pick[1], 3 * pick[2], -2 * pick[2]])
+    return cp.index_add(0, idx, delta_m)

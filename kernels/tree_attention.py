@@ -226,7 +226,8 @@ def _tree_attn_bwd_dkdv(
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
                 allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
                            & (offs_n[None, :] <= offs_m[:, None]) & k_ok[None, :] & (qn[:, None] >= 0))
-                p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)  # (BM, BN) softmax probs
+                # mask before exp2 so masked garbage scores cannot overflow to inf
+                p = tl.exp2(tl.where(allowed, s, float("-inf")) - lse[:, None])  # (BM, BN) probs
                 dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
                 ds = p * (dp - delta[:, None])  # dL/d(logits), before the scale
                 if UPCAST:
@@ -304,7 +305,7 @@ def _tree_attn_bwd_dq(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
             allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
                        & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
-            p = tl.where(allowed, tl.exp2(s - lse[:, None]), 0.0)
+            p = tl.exp2(tl.where(allowed, s, float("-inf")) - lse[:, None])  # (BM, BN)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])  # (BM, BN)
             if UPCAST:

@@ -19,6 +19,7 @@ benchmark to describe trees without depending on the rollout package.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -138,10 +139,13 @@ def tree_attention_flex(q, k, v, token_node, token_node_exit, *, scale=None):
 
     Hq, Hkv = _check_qkv(q, k, v, token_node)
     block_mask = tree_flex_block_mask(token_node, token_node_exit)
-    out = flex_attention(
-        _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=block_mask, scale=scale,
-        enable_gqa=Hq != Hkv,
-    )  # (B, Hq, T, D)
+    with warnings.catch_warnings():
+        # eager flex warns that it materialises the scores: that is the point of a reference
+        warnings.filterwarnings("ignore", message=".*without torch.compile.*")
+        out = flex_attention(
+            _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=block_mask, scale=scale,
+            enable_gqa=Hq != Hkv,
+        )  # (B, Hq, T, D)
     pad = (token_node < 0)[:, None, :, None]  # (B, 1, T, 1)
     out = torch.where(pad, torch.zeros((), dtype=out.dtype, device=out.device), out)
     return out.transpose(1, 2)

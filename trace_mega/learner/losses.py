@@ -1,0 +1,241 @@
+"""Policy losses on packed rollout trees, behind the `LOSSES` registry.
+
+Notation, per stream token t of a `PackedTrees` (docs/PACKING.md):
+    x_t  = logπ_θ(y_t) − logπ_old(y_t),   r_t = exp(x_t)          (ratio)
+    A_t  = packed.advantages[t],  w_t = packed.token_weight[t] (1 when None)
+    m_t  = packed.loss_mask[t],   u_t = m_t · w_t                 (token's loss weight)
+    n_t  = leaves below t's node (how many root-to-leaf paths contain t)
+A "sequence" is a root-to-leaf path p (one trajectory); a shared-prefix token
+belongs to n_t paths and gives each of them the share u_t / n_t, so that
+|p| = Σ_{t∈p} u_t / n_t. With w_t = n_t (the `per_leaf` token weight of the
+advantage estimators) every formula below equals the same loss on the
+flattened paths (one row per trajectory, every token weight 1).
+
+Aggregation modes (each names its unit; `LossConfig.aggregation`):
+* ``token_mean``    — unit: tokens.    L = Σ_t u_t ℓ_t / Σ_t u_t.
+* ``sequence_mean`` — unit: sequences. L = (1/P) Σ_p (1/|p|) Σ_{t∈p} (u_t/n_t) ℓ_t
+  (P paths with |p| > 0).
+* ``prompt_mean``   — unit: prompts.   L = (1/B) Σ_trees Σ_{t∈tree} u_t ℓ_t / Σ_{t∈tree} u_t
+  (B trees with a loss token).
+All three are L = Σ_t c_t ℓ_t with coefficients c from `aggregation_coefficients`.
+For micro-batching / data parallelism pass `global_units` = the unit count of the
+whole batch (`unit_count` summed over micro-batches and ranks, the micro-batches
+holding whole trees): then the sum of the per-micro-batch losses is the loss of
+the whole batch.
+
+Losses (ℓ_t per token, then aggregated; ε_l / ε_h from `resolve_clip`):
+* ``ppo_clip_token`` (GRPO): ℓ_t = −min(r_t A_t, clip(r_t, 1−ε_l, 1+ε_h) A_t),
+  default aggregation token_mean (unit: tokens), ε_l = ε_h = 0.2.
+* ``dapo``: the same token surrogate with clip-higher (default ε_l = 0.2, ε_h = 0.28),
+  always token_mean over the whole batch (unit: tokens), DAPO's token-level loss.
+* ``gspo``: sequence-level ratio s_p = exp((1/|p|) Σ_{t∈p} (u_t/n_t) x_t), GSPO-token form
+  s_{p,t} = sg[s_p] · π_θ(y_t)/sg[π_θ(y_t)] so per-token advantages are allowed:
+  L = −(1/P) Σ_p (1/|p|) Σ_{t∈p} (u_t/n_t) min(s_{p,t} A_t, clip(s_{p,t}, 1−ε_l, 1+ε_h) A_t),
+  aggregation sequence_mean (unit: sequences), default ε_l = 3e-4, ε_h = 4e-4. With one
+  advantage per path this is exactly GSPO: −(1/P) Σ_p min(s_p A_p, clip(s_p) A_p).
+Every loss adds, with the same coefficients c_t,
+* KL to the reference (k3): kl_coef · Σ_t c_t (exp(q_t) − q_t − 1), q_t = logπ_ref − logπ_θ;
+* entropy bonus: −entropy_coef · Σ_t c_t H_t.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from trace_mega.config import LossConfig
+from trace_mega.registry import Registry
+from trace_mega.rollout.tree import PackedTrees
+
+__all__ = [
+    "LOSSES", "LossOutput", "LossFn", "AGGREGATIONS", "aggregation_coefficients", "unit_count",
+    "resolve_clip", "compute_loss", "ppo_clip_token", "dapo", "gspo", "kl_k3",
+]
+
+AGGREGATIONS = ("token_mean", "sequence_mean", "prompt_mean")
+
+_CLIP_DEFAULTS = {"ppo_clip_token": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Scalar to backpropagate."""
+    metrics: dict[str, torch.Tensor]
+    """Detached scalars (no host sync here): policy loss, kl, entropy, clip fraction, ratio."""
+
+
+LossFn = Callable[..., LossOutput]
+LOSSES: Registry[LossFn] = Registry("loss")
+
+
+def resolve_clip(cfg: LossConfig, name: Optional[str] = None) -> tuple[float, float]:
+    """(ε_low, ε_high): the config's values, or the named loss's defaults where they are None."""
+    lo, hi = _CLIP_DEFAULTS[name or cfg.name]
+    return (lo if cfg.clip_eps_low is None else cfg.clip_eps_low,
+            hi if cfg.clip_eps_high is None else cfg.clip_eps_high)
+
+
+def _token_units(packed: PackedTrees) -> torch.Tensor:
+    """(T,) u_t = loss_mask · token_weight."""
+    m = packed.loss_mask.float()
+    return m if packed.token_weight is None else m * packed.token_weight.float()
+
+
+def _path_layout(packed: PackedTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index (P, S) stream index of each path's tokens, clamped; share (P, S) u_t/n_t (0 on padding);
+    length (P,) |p|)."""
+    index = packed.flatten().packed_index  # (P, S), -1 on padding
+    valid = index >= 0
+    safe = index.clamp(min=0)
+    n = packed.node_leaf_count[packed.token_node].float()  # (T,)
+    share = torch.where(valid, (_token_units(packed) / n)[safe], 0.0)  # (P, S)
+    return safe, share, share.sum(1)
+
+
+def unit_count(packed: PackedTrees, mode: str) -> torch.Tensor:
+    """Local count of the aggregation unit: Σ u_t (tokens), paths with |p|>0, trees with a loss token."""
+    if mode == "token_mean":
+        return _token_units(packed).sum()
+    if mode == "sequence_mean":
+        return (_path_layout(packed)[2] > 0).sum().float()
+    if mode == "prompt_mean":
+        per_tree = _tree_sums(packed, _token_units(packed))
+        return (per_tree > 0).sum().float()
+    raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+
+
+def _tree_sums(packed: PackedTrees, values: torch.Tensor) -> torch.Tensor:
+    """(num_trees,) Σ of per-token `values` over each tree."""
+    tree_of_token = packed.node_tree[packed.token_node]  # (T,)
+    return values.new_zeros(packed.num_trees).index_add(0, tree_of_token, values)
+
+
+def aggregation_coefficients(
+    packed: PackedTrees, mode: str, global_units: Optional[float | torch.Tensor] = None
+) -> torch.Tensor:
+    """(T,) coefficients c with L = Σ_t c_t ℓ_t for aggregation `mode` (module docstring)."""
+    u = _token_units(packed)  # (T,)
+    if mode == "token_mean":
+        denom = u.sum() if global_units is None else global_units
+        return u / torch.as_tensor(denom, dtype=u.dtype).clamp(min=1e-12)
+    if mode == "sequence_mean":
+        index, share, length = _path_layout(packed)
+        P = (length > 0).sum() if global_units is None else global_units
+        per = share / length.clamp(min=1e-12)[:, None]  # (P, S): share / |p|
+        coef = u.new_zeros(u.shape).index_add(0, index.reshape(-1), per.reshape(-1))
+        return coef / torch.as_tensor(P, dtype=u.dtype).clamp(min=1)
+    if mode == "prompt_mean":
+        per_tree = _tree_sums(packed, u)  # (B,)
+        B = (per_tree > 0).sum() if global_units is None else global_units
+        tree_of_token = packed.node_tree[packed.token_node]
+        coef = u / per_tree.clamp(min=1e-12)[tree_of_token]
+        return coef / torch.as_tensor(B, dtype=u.dtype).clamp(min=1)
+    raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """(T,) k3 estimator of KL(π_θ || π_ref): exp(q) − q − 1, q = logπ_ref − logπ_θ (≥ 0)."""
+    q = ref_logprobs - logprobs
+    return torch.exp(q) - q - 1.0
+
+
+def _inputs(logprobs, packed, old_logprobs):
+    if packed.advantages is None:
+        raise ValueError("packed.advantages is None: run an advantage estimator first")
+    if logprobs.shape != packed.tokens.shape:
+        raise ValueError(f"logprobs must be (T={packed.num_tokens},), got {tuple(logprobs.shape)}")
+    mask = packed.loss_mask.to(logprobs.device)
+    old = packed.behaviour_logprobs if old_logprobs is None else old_logprobs
+    # Non-loss tokens get x = 0 (ratio 1) so nothing there can overflow into a 0-weighted inf.
+    x = torch.where(mask, logprobs - old.to(logprobs), torch.zeros_like(logprobs))
+    return mask, x, packed.advantages.to(logprobs)
+
+
+def _finish(policy, coef, mask, logprobs, cfg, ref_logprobs, entropy, metrics) -> LossOutput:
+    loss = policy
+    metrics["policy_loss"] = policy.detach()
+    if cfg.kl_coef != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("loss.kl_coef != 0 needs ref_logprobs")
+        kl = (coef * torch.where(mask, kl_k3(logprobs, ref_logprobs.to(logprobs)), 0.0)).sum()
+        loss = loss + cfg.kl_coef * kl
+        metrics["kl_ref"] = kl.detach()
+    if cfg.entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("loss.entropy_coef != 0 needs entropy")
+        ent = (coef * torch.where(mask, entropy, 0.0)).sum()
+        loss = loss - cfg.entropy_coef * ent
+        metrics["entropy"] = ent.detach()
+    metrics["loss"] = loss.detach()
+    return LossOutput(loss, metrics)
+
+
+def _clipped_token_loss(logprobs, packed, cfg, mode, eps, old_logprobs, ref_logprobs, entropy,
+                        global_units) -> LossOutput:
+    mask, x, adv = _inputs(logprobs, packed, old_logprobs)
+    coef = aggregation_coefficients(packed, mode, global_units).to(logprobs)  # (T,)
+    ratio = torch.exp(x)  # (T,)
+    clipped = ratio.clamp(1.0 - eps[0], 1.0 + eps[1])
+    surr = -torch.minimum(ratio * adv, clipped * adv)  # (T,)
+    policy = (coef * surr).sum()
+    was_clipped = (clipped * adv < ratio * adv).float()  # the min picked the clipped branch
+    metrics = {"clip_fraction": (coef * was_clipped).sum().detach() / coef.sum().clamp(min=1e-12).detach(),
+               "ratio_mean": (coef * ratio).sum().detach() / coef.sum().clamp(min=1e-12).detach()}
+    return _finish(policy, coef, mask, logprobs, cfg, ref_logprobs, entropy, metrics)
+
+
+@LOSSES.register("ppo_clip_token")
+def ppo_clip_token(logprobs, packed, cfg: LossConfig, *, old_logprobs=None, ref_logprobs=None,
+                   entropy=None, global_units=None) -> LossOutput:
+    """GRPO's token-level PPO-clip; aggregation `cfg.aggregation`, default token_mean (unit: tokens)."""
+    mode = cfg.aggregation or "token_mean"
+    return _clipped_token_loss(logprobs, packed, cfg, mode, resolve_clip(cfg, "ppo_clip_token"),
+                               old_logprobs, ref_logprobs, entropy, global_units)
+
+
+@LOSSES.register("dapo")
+def dapo(logprobs, packed, cfg: LossConfig, *, old_logprobs=None, ref_logprobs=None,
+         entropy=None, global_units=None) -> LossOutput:
+    """DAPO: clip-higher token PPO-clip, token_mean over the whole batch (unit: tokens)."""
+    if cfg.aggregation not in (None, "token_mean"):
+        raise ValueError(f"dapo aggregates by token_mean (its token-level loss), not {cfg.aggregation!r}")
+    return _clipped_token_loss(logprobs, packed, cfg, "token_mean", resolve_clip(cfg, "dapo"),
+                               old_logprobs, ref_logprobs, entropy, global_units)
+
+
+@LOSSES.register("gspo")
+def gspo(logprobs, packed, cfg: LossConfig, *, old_logprobs=None, ref_logprobs=None,
+         entropy=None, global_units=None) -> LossOutput:
+    """GSPO (GSPO-token form): sequence-level ratio per root-to-leaf path, sequence_mean (unit: sequences)."""
+    if cfg.aggregation not in (None, "sequence_mean"):
+        raise ValueError(f"gspo aggregates by sequence_mean (unit: sequences), not {cfg.aggregation!r}")
+    eps_lo, eps_hi = resolve_clip(cfg, "gspo")
+    mask, x, adv = _inputs(logprobs, packed, old_logprobs)
+    index, share, length = _path_layout(packed)  # (P, S), (P, S), (P,)
+    share, length = share.to(logprobs), length.to(logprobs)
+    live = length > 0
+    P = live.sum() if global_units is None else global_units
+    P = torch.as_tensor(P, dtype=logprobs.dtype).clamp(min=1)
+    xp = x[index]  # (P, S): gather, so a shared token's gradient sums over its paths
+    log_s = (share * xp).sum(1) / length.clamp(min=1e-12)  # (P,)
+    s = torch.exp(log_s).detach()  # (P,) the sequence ratio's value
+    s_pt = s[:, None] * torch.exp(xp - xp.detach())  # (P, S): value s_p, gradient of π_θ(y_t)
+    ap = adv[index]  # (P, S)
+    clipped = s_pt.clamp(1.0 - eps_lo, 1.0 + eps_hi)
+    term = torch.minimum(s_pt * ap, clipped * ap)  # (P, S)
+    per = share / length.clamp(min=1e-12)[:, None]  # (P, S): (u_t/n_t)/|p|
+    policy = -(per * term).sum() / P
+    coef = aggregation_coefficients(packed, "sequence_mean", global_units).to(logprobs)
+    s_live = s[live]
+    metrics = {
+        "clip_fraction": ((s_live < 1.0 - eps_lo) | (s_live > 1.0 + eps_hi)).float().mean(),
+        "ratio_mean": s_live.mean(),
+    }
+    return _finish(policy, coef, mask, logprobs, cfg, ref_logprobs, entropy, metrics)
+
+
+def compute_loss(logprobs, packed, cfg: LossConfig, **kw) -> LossOutput:
+    """The loss named by `cfg.name` (see `LOSSES.names()`)."""
+    return LOSSES.get(cfg.name)(logprobs, packed, cfg, **kw)

@@ -128,6 +128,8 @@ class ModelConfig:
     """RMSNorm epsilon."""
     qk_layernorm: bool = True
     """Qwen3 q/k RMSNorm."""
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
     tie_word_embeddings: bool = True
     """Share input embedding and output layer."""
     num_experts: Optional[int] = None
@@ -136,6 +138,8 @@ class ModelConfig:
     """Experts per token."""
     moe_ffn_hidden_size: Optional[int] = None
     """Expert inner width (None: ffn_hidden_size)."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE norm_topk_prob)."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype."""
     attention_backend: Literal["auto", "sdpa", "tree_triton"] = "auto"

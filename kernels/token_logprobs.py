@@ -143,7 +143,9 @@ if _HAS_TRITON:
             if WITH_ENT:
                 # zero the -inf first: e * z would be 0 * -inf = nan on masked columns
                 a = a * alpha + tl.sum(e * tl.where(mask_v[None, :], z, 0.0), axis=1)
-            zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+            # & mask_v: another shard's target id can fall on a padded (-inf) column
+            hit = (offs_v[None, :] == tgt[:, None]) & mask_v[None, :]
+            zt += tl.sum(tl.where(hit, z, 0.0), axis=1)
             m = m_new
         tl.store(OUT_ptr + offs_t, m, mask=mask_t)
         tl.store(OUT_ptr + T + offs_t, s, mask=mask_t)
@@ -324,13 +326,22 @@ def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
 # ----------------------------------------------------------------------------------
 # autograd + dispatch
 # ----------------------------------------------------------------------------------
+# torch >= 2.13 deprecates all_gather_into_tensor for all_gather_single; older has only the former
+_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather(out, inp, group):
+    _all_gather_fn(out, inp, group=group)
+
+
 def _combine(stats, tp_group):
     """Combine (4, T) shard statistics into global (lse, mu, z_target); 1 collective if TP."""
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         world = dist.get_world_size(tp_group)
-        allst = torch.empty(world, *stats.shape, dtype=stats.dtype, device=stats.device)
-        dist.all_gather_into_tensor(allst, stats.contiguous(), group=tp_group)  # (R, 4, T)
-        m_r, s_r, a_r, zt_r = allst.unbind(1)  # each (R, T)
+        # concatenated form (R*4, T): the stacked form is not supported by gloo
+        allst = torch.empty(world * 4, stats.shape[1], dtype=stats.dtype, device=stats.device)
+        _all_gather(allst, stats.contiguous(), tp_group)
+        m_r, s_r, a_r, zt_r = allst.view(world, 4, -1).unbind(1)  # each (R, T)
         M = m_r.amax(0)
         scale = torch.exp(m_r - M)  # (R, T)
         s = (s_r * scale).sum(0)

@@ -1,0 +1,182 @@
+"""The `torch` rollout engine on a tiny random Qwen3: exactness, seeded reuse-invariance, stats, weight sync."""
+import copy
+
+import pytest
+import torch
+
+from trace_mega.rollout.engines import ENGINES, PrefixKVCache, SamplingParams, TorchEngine
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_qwen3(seed: int, **overrides):
+    """2 layers, GQA 4/2 heads, head_dim 32; init std 0.2 so logits are peaked (no greedy near-ties)."""
+    cfg = transformers.Qwen3Config(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, initializer_range=0.2,
+        max_position_embeddings=512, **overrides,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3(0)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [5, 6, 7, 8, 9, 10, 20, 21, 22, 23, 24], [300]]
+
+
+def hf_greedy(model, prefix, n):
+    out = model.generate(torch.tensor([prefix]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prefix):].tolist()
+
+
+def test_registry_builds_torch_engine(model):
+    assert ENGINES.get("torch") is TorchEngine
+    assert "vllm" in ENGINES  # registered lazily: vLLM is imported only when one is built
+
+
+def test_greedy_equals_transformers_generate_with_and_without_cache_hits(model):
+    eng = TorchEngine(model)
+    sp = SamplingParams(temperature=0, max_new_tokens=10)
+    first = eng.generate(PROMPTS, sp)
+    for p, c in zip(PROMPTS, first):
+        assert c.token_ids == hf_greedy(model, p, 10)
+        assert c.finish_reason == "length" and c.cached_prefix_tokens == 0
+    # Next turn: history + generated + an "observation"; the history KV comes from the cache.
+    nxt = [p + c.token_ids + [40, 41] for p, c in zip(PROMPTS, first)]
+    second = eng.generate(nxt, sp)
+    for p, c, prev in zip(nxt, second, first):
+        assert c.token_ids == hf_greedy(model, p, 10)
+        # Cached: prompt + all generated tokens but the last (whose KV was never computed).
+        assert c.cached_prefix_tokens == len(p) - 2 - 1
+
+
+def test_logprobs_are_raw_model_logprobs_of_sampled_tokens(model):
+    eng = TorchEngine(model)
+    sp = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=8, seed=3)
+    for p, c in zip(PROMPTS, eng.generate(PROMPTS, sp)):
+        seq = torch.tensor([p + c.token_ids])
+        raw = torch.log_softmax(model(seq).logits[0].float(), -1)  # temperature 1, no top-p
+        ref = raw[len(p) - 1 : -1].gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def _tree_workload(eng, seed):
+    """Bare rollouts (3 per prompt) then 4 continuations from each one's first turn boundary."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed)
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    bare = eng.generate(prompts, sp)
+    nodes = [p + c.token_ids[:3] + [50, 51] for p, c in zip(prompts, bare)]  # turn 1 + observation
+    conts = eng.generate([n for n in nodes for _ in range(4)], SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed + 100))
+    return bare + conts, prompts + [n for n in nodes for _ in range(4)]
+
+
+def test_seeded_samples_identical_with_and_without_prefix_reuse(model):
+    reuse, plain, tiny_batches = TorchEngine(model), TorchEngine(model, enable_prefix_caching=False), TorchEngine(model, max_batch_size=1)
+    a, prefixes = _tree_workload(reuse, 7)
+    b, _ = _tree_workload(plain, 7)
+    c, _ = _tree_workload(tiny_batches, 7)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b] == [x.token_ids for x in c]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+    # Different seeds give different samples (the comparison above is not vacuous).
+    d, _ = _tree_workload(TorchEngine(model), 8)
+    assert [x.token_ids for x in d] != [x.token_ids for x in a]
+    total_prompt = sum(len(p) for p in prefixes)
+    assert plain.stats.prefill_tokens == total_prompt and plain.stats.cached_prefill_tokens == 0
+    assert reuse.stats.prefill_tokens + reuse.stats.cached_prefill_tokens == total_prompt
+    assert reuse.stats.generated_tokens == plain.stats.generated_tokens == sum(len(x.token_ids) for x in a)
+    assert sum(x.cached_prefix_tokens for x in a) == reuse.stats.cached_prefill_tokens
+
+
+def test_prefill_avoided_exact_counts(model):
+    eng = TorchEngine(model)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4, seed=0)
+    prompt = list(range(10, 30))  # 20 tokens
+    out = eng.generate([prompt] * 5, sp)
+    # One request pays the full prompt; the other four reuse 19 tokens and feed only the last.
+    assert sorted(c.cached_prefix_tokens for c in out) == [0, 19, 19, 19, 19]
+    assert eng.stats.prefill_tokens == 20 + 4 and eng.stats.cached_prefill_tokens == 76
+    # A continuation branching inside the first rollout's sequence reuses everything it shares.
+    branch = prompt + out[0].token_ids[:2]
+    (c,) = eng.generate([branch], sp)
+    assert c.cached_prefix_tokens == len(branch) - 1
+
+
+def test_stop_tokens_and_eos(model):
+    greedy = hf_greedy(model, PROMPTS[0], 10)
+    stop = greedy[3]
+    cut = greedy.index(stop) + 1
+    eng = TorchEngine(model)
+    (c,) = eng.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[stop]))
+    assert c.token_ids == greedy[:cut] and c.finish_reason == "stop"
+    # The model's EOS stops generation too.
+    with_eos = copy.deepcopy(model)
+    with_eos.generation_config.eos_token_id = stop
+    (c,) = TorchEngine(with_eos).generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10))
+    assert c.token_ids == greedy[:cut] and c.finish_reason == "stop"
+
+
+def test_top_p_tiny_is_greedy(model):
+    eng = TorchEngine(model)
+    a = eng.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=8, seed=1))
+    b = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+
+
+def test_update_weights_follows_new_weights_and_clears_cache(model):
+    eng = TorchEngine(copy.deepcopy(model))
+    sp = SamplingParams(temperature=0, max_new_tokens=8)
+    old = eng.generate(PROMPTS, sp)
+    assert len(eng.cache) > 0
+    new_model = tiny_qwen3(1)
+    eng.update_weights(new_model.state_dict().items())
+    assert len(eng.cache) == 0 and eng.cache.tokens_held == 0
+    new = eng.generate(PROMPTS, sp)
+    assert all(c.cached_prefix_tokens == 0 for c in new)
+    assert [c.token_ids for c in new] == [hf_greedy(new_model, p, 8) for p in PROMPTS]
+    assert [c.token_ids for c in new] != [c.token_ids for c in old]
+    with pytest.raises(KeyError, match="no tensor"):
+        eng.update_weights([("model.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        eng.update_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_engine_loads_hf_checkpoint_dir(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    eng = TorchEngine(tmp_path)
+    sp = SamplingParams(temperature=0, max_new_tokens=6)
+    assert [c.token_ids for c in eng.generate(PROMPTS, sp)] == [hf_greedy(model, p, 6) for p in PROMPTS]
+
+
+def test_sleep_drops_cache(model):
+    eng = TorchEngine(model)
+    sp = SamplingParams(temperature=0, max_new_tokens=4)
+    eng.generate([PROMPTS[2]], sp)
+    eng.sleep()
+    eng.wake_up()
+    (c,) = eng.generate([PROMPTS[2]], sp)
+    assert c.cached_prefix_tokens == 0
+
+
+def _kv(n):
+    return [(torch.zeros(1, n, 2), torch.zeros(1, n, 2))]
+
+
+def test_prefix_cache_lru_bound_and_subsumption():
+    cache = PrefixKVCache(max_tokens=10)
+    cache.insert(torch.tensor([1, 2, 3]), _kv(3))
+    cache.insert(torch.tensor([1, 2, 3, 4, 5]), _kv(5))  # extends [1,2,3]: replaces it
+    assert len(cache) == 1 and cache.tokens_held == 5
+    cache.insert(torch.tensor([1, 2]), _kv(2))  # covered by [1..5]: nothing new stored
+    assert len(cache) == 1
+    cache.insert(torch.tensor([7, 8, 9]), _kv(3))
+    entry, n = cache.lookup(torch.tensor([1, 2, 3, 9]))
+    assert n == 3 and entry.tokens.tolist() == [1, 2, 3, 4, 5]  # now most recently used
+    cache.insert(torch.tensor([4, 4, 4, 4]), _kv(4))  # 12 > 10 tokens: evicts the LRU, [7,8,9]
+    assert cache.tokens_held == 9 and cache.lookup(torch.tensor([7, 8]))[1] == 0
+    cache.insert(torch.arange(11), _kv(11))  # larger than the whole budget: not stored
+    assert cache.tokens_held == 9

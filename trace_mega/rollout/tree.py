@@ -79,6 +79,8 @@ class RolloutTree:
         self.nodes: list[Node] = [
             Node(-1, list(prompt_token_ids), [0] * n, [0.0] * n, kind="prompt", text=prompt_text)
         ]
+        self.runtime: dict[str, Any] = {}
+        """Transient, never serialised: the agent loop keeps the task and per-node env states here."""
 
     # --- building -----------------------------------------------------------
     def add_node(self, parent: int, node: Node) -> int:
@@ -115,7 +117,23 @@ class RolloutTree:
         return not self.nodes[nid].children
 
     def leaves(self) -> list[int]:
+        """Terminal nodes (the root of a tree with no rollouts is not a leaf)."""
         return [i for i, n in enumerate(self.nodes) if not n.children and i != 0]
+
+    def intermediate_nodes(self) -> list[int]:
+        """Candidate branch points of SPEC §3.3: turn nodes that are not terminal (no root, no leaf)."""
+        return [i for i, n in enumerate(self.nodes) if i != 0 and n.reward is None]
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node-id paths, one per leaf, in `leaves()` order."""
+        return [self.path(leaf) for leaf in self.leaves()]
+
+    def leaf_rewards(self) -> list[float]:
+        return [float(self.nodes[i].reward) for i in self.leaves()]
+
+    def num_generated_tokens(self) -> int:
+        """Policy-generated tokens stored in the tree (each shared prefix counted once)."""
+        return sum(sum(n.loss_mask) for n in self.nodes)
 
     def path(self, nid: int) -> list[int]:
         """Local ids from the root to `nid`, inclusive."""
@@ -163,6 +181,24 @@ class RolloutTree:
         rewards = [self.nodes[i].reward for i in self.leaves()]
         return any(r > 0.5 for r in rewards) and any(r <= 0.5 for r in rewards)
 
+    def validate(self) -> None:
+        """Check the structure; raise ValueError naming the first inconsistency."""
+        if not self.nodes or self.nodes[0].parent != -1:
+            raise ValueError(f"tree {self.prompt_id!r}: node 0 must be the root (parent -1)")
+        for i, n in enumerate(self.nodes):
+            if not (len(n.token_ids) == len(n.loss_mask) == len(n.logprobs)):
+                raise ValueError(f"tree {self.prompt_id!r}: node {i} fields disagree in length")
+            if i and not 0 <= n.parent < i:
+                raise ValueError(f"tree {self.prompt_id!r}: node {i} has parent {n.parent}; parents precede children")
+            if i and i not in self.nodes[n.parent].children:
+                raise ValueError(f"tree {self.prompt_id!r}: node {i} missing from its parent's children")
+            if any(not i < c < len(self.nodes) or self.nodes[c].parent != i for c in n.children):
+                raise ValueError(f"tree {self.prompt_id!r}: node {i} lists a child that is not its own")
+            if i and not n.children and n.reward is None:
+                raise ValueError(f"tree {self.prompt_id!r}: leaf {i} has no reward")
+            if n.children and n.reward is not None:
+                raise ValueError(f"tree {self.prompt_id!r}: node {i} has a reward and children")
+
     # --- serialisation ------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -176,19 +212,29 @@ class RolloutTree:
     def from_dict(cls, data: dict[str, Any]) -> "RolloutTree":
         tree = cls(data["prompt_id"], [], gold_answer=data.get("gold_answer"), meta=data.get("meta"))
         tree.nodes = [Node(**n) for n in data["nodes"]]
+        tree.validate()
         return tree
 
 
 def save_jsonl(trees: Iterable[RolloutTree], path: str | Path) -> None:
-    """Write one tree per line."""
+    """Write one tree per line (floats keep full precision: json writes repr)."""
     with open(path, "w") as f:
         for tree in trees:
             f.write(json.dumps(tree.to_dict()) + "\n")
 
 
 def load_jsonl(path: str | Path) -> list[RolloutTree]:
+    """Read trees written by `save_jsonl`; a bad line raises ValueError naming its line number."""
+    trees = []
     with open(path) as f:
-        return [RolloutTree.from_dict(json.loads(line)) for line in f if line.strip()]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                trees.append(RolloutTree.from_dict(json.loads(line)))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a rollout tree ({type(exc).__name__}: {exc})") from exc
+    return trees
 
 
 # --- packing -------------------------------------------------------------------
@@ -260,14 +306,22 @@ class PackedTrees:
         return PackedTrees(**moved)
 
     def node_last_token(self) -> torch.Tensor:
-        """(N,) stream index of the last token on the path through each node (the prefix boundary H_t)."""
-        last = torch.empty_like(self.node_end)
-        for g in range(self.num_nodes):  # parents precede children in pre-order
-            if self.node_end[g] > self.node_start[g]:
-                last[g] = self.node_end[g] - 1
-            else:
-                p = int(self.node_parent[g])
-                last[g] = last[p] if p >= 0 else -1
+        """(N,) stream index of the last token on the path through each node (the prefix boundary H_t).
+
+        -1 when the path through the node has no token at all. A node without
+        tokens inherits its nearest non-empty ancestor's last token; that is
+        found by pointer jumping (O(log depth) vectorised rounds, no per-node loop).
+        """
+        nonempty = self.node_end > self.node_start
+        last = torch.where(nonempty, self.node_end - 1, torch.full_like(self.node_end, -1))
+        done = nonempty | (self.node_parent < 0)
+        ptr = self.node_parent.clamp(min=0)
+        while not bool(done.all()):
+            take = ~done & done[ptr]  # the pointed-to ancestor is resolved: inherit from it
+            last = torch.where(take, last[ptr], last)
+            nxt_done = done | take
+            ptr = torch.where(nxt_done, ptr, ptr[ptr])  # else jump twice as far up
+            done = nxt_done
         return last
 
     def path_token_indices(self, node: int) -> torch.Tensor:
@@ -299,10 +353,13 @@ class PackedTrees:
             leaf_node=self.leaf_nodes.clone(),
         )
 
+    def flattened_num_tokens(self) -> int:
+        """Tokens of the one-row-per-leaf layout: each node's tokens times its leaf count."""
+        return int(((self.node_end - self.node_start) * self.node_leaf_count).sum())
+
     def compression_ratio(self) -> float:
         """Flattened tokens / packed tokens (how much prefix sharing saves)."""
-        total = sum(self.path_token_indices(int(g)).numel() for g in self.leaf_nodes)
-        return total / max(1, self.num_tokens)
+        return self.flattened_num_tokens() / max(1, self.num_tokens)
 
 
 def pack(trees: list[RolloutTree]) -> PackedTrees:

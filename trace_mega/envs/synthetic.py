@@ -1,0 +1,218 @@
+"""Synthetic environments with known success probabilities (tests, simulator, CPU demo).
+
+Both use the tiny word-level tokenizer of `trace_mega.envs.tokenizer` (one
+added token per complete tool call / final answer) and the ordinary ReAct
+rendering and parsing path.
+
+* ``synthetic`` — prompt i has a known success probability ``p_i`` drawn
+  from a U-shaped Beta(a, a) (a < 1). The episode's outcome is a hidden
+  uniform number U: the episode succeeds iff the model gives a final answer
+  (any text) and ``U < p_i``. Each ``reveal`` tool call reveals the next
+  binary digit of U, so after k reveals U is known to lie in an interval
+  ``[lo, lo + 2^-k)`` and the success probability of the prefix is exactly
+  ``true_value(state) = clip((p_i - lo) / 2^-k, 0, 1)`` — for ANY policy that
+  eventually answers. The sequence of prefix values is a martingale, which
+  makes it the reference for predictor and allocation tests.
+
+* ``synthetic_tools`` — a learnable walk on a line of `width` cells. The
+  prompt ``start S goal G`` (plus ``ice`` on slippery tasks, where each move
+  fails with probability `slip`) asks the agent to move with
+  ``move(dir=left|right)`` and to answer ``<answer>done</answer>`` while on the
+  goal; the observation is the new cell (``at X``, ``at X wall`` when blocked
+  by the edge). A tiny GPT trained from scratch can learn it (compare two
+  numbers, emit one of three action tokens); a uniformly random action policy
+  succeeds at a low, distance-dependent rate (`uniform_action_success`), so
+  prompt success rates spread over (0, 1).
+
+Each episode's randomness comes from a per-state RNG; `fork` reseeds the copy
+from the environment's master RNG (seeded by `seed`), so continuations
+branched from one prefix are independent and a run is reproducible.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+from typing import Any, Optional
+
+from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
+from trace_mega.envs.react import ReactScaffold
+from trace_mega.envs.tokenizer import build_tiny_tokenizer
+
+ANSWER_DONE = "<answer>done</answer>"
+WORDS = ["walk", "start", "goal", "at", "wall", "ice", "task", "bit", "empty", "reveal", "move", "left", "right"]
+WORDS += [str(d) for d in range(10)]
+
+
+def call_token(name: str, arguments: dict[str, Any]) -> str:
+    """The tool-call string registered as ONE token (Qwen3 format, standard json.dumps spacing)."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+MOVE_LEFT = call_token("move", {"dir": "left"})
+MOVE_RIGHT = call_token("move", {"dir": "right"})
+REVEAL = call_token("reveal", {})
+ACTION_TOKENS = [MOVE_LEFT, MOVE_RIGHT, REVEAL, ANSWER_DONE]
+
+
+def tiny_tokenizer():
+    """The shared tiny tokenizer of both synthetic environments (≈35 tokens)."""
+    return build_tiny_tokenizer(WORDS, ACTION_TOKENS)
+
+
+def _digits(n: int) -> str:
+    return " ".join(str(n))
+
+
+class _SeededEnv(Env):
+    """Common part: a master RNG, the tiny tokenizer, per-state RNGs reseeded on fork."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._master = random.Random(seed)
+        self.tokenizer = tiny_tokenizer()
+
+    @functools.cached_property
+    def stop_token_ids(self) -> list[int]:
+        """Engine stop ids: every one-token action and the end-of-turn token."""
+        return ReactScaffold(self.tokenizer).stop_token_ids
+
+    def _new_rng(self) -> random.Random:
+        return random.Random(self._master.getrandbits(64))
+
+    def fork(self, state: EpisodeState) -> EpisodeState:
+        new = copy.deepcopy(state)
+        new.data["rng"] = self._new_rng()
+        return new
+
+
+@ENVS.register("synthetic")
+class SyntheticEnv(_SeededEnv):
+    """Known per-prompt success probability p_i (U-shaped) and exact per-prefix values."""
+
+    name = "synthetic"
+
+    def __init__(self, num_tasks: int = 64, beta: float = 0.5, num_bits: int = 4, seed: int = 0) -> None:
+        if num_tasks < 1 or num_bits < 0 or beta <= 0:
+            raise ValueError(f"synthetic: need num_tasks >= 1, num_bits >= 0, beta > 0 (got {num_tasks}, {num_bits}, {beta})")
+        super().__init__(seed)
+        self.num_bits = num_bits
+        draw = random.Random(seed + 1)
+        self.p = [draw.betavariate(beta, beta) for _ in range(num_tasks)]
+        self.tools = [{
+            "type": "function",
+            "function": {"name": "reveal", "description": "reveal the next binary digit of the hidden number",
+                         "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+        }]
+        self._tasks = [
+            Task(task_id=f"synthetic-{i}",
+                 messages=[{"role": "system", "content": "reveal"}, {"role": "user", "content": f"task {_digits(i)}"}],
+                 tools=self.tools, gold_answer="done", meta={"p": p})
+            for i, p in enumerate(self.p)
+        ]
+
+    def tasks(self, split: str = "train") -> list[Task]:
+        return list(self._tasks)
+
+    def reset(self, task: Task) -> EpisodeState:
+        return EpisodeState(task=task, data={"lo": 0.0, "width": 1.0, "revealed": 0, "rng": self._new_rng()})
+
+    def step(self, state: EpisodeState, call: ToolCall) -> str:
+        if call.name != "reveal":
+            return f"Error: unknown tool {call.name!r}"
+        d = state.data
+        state.history.append(call)
+        if d["revealed"] >= self.num_bits:
+            return "empty"
+        bit = int(d["rng"].random() < 0.5)
+        d["width"] /= 2.0
+        d["lo"] += bit * d["width"]
+        d["revealed"] += 1
+        return f"bit {bit}"
+
+    def true_value(self, state: EpisodeState) -> float:
+        """P(success | revealed digits) = P(U < p | U uniform in [lo, lo + width)), for a policy that answers."""
+        p, d = state.task.meta["p"], state.data
+        return min(1.0, max(0.0, (p - d["lo"]) / d["width"]))
+
+    def reward(self, state: EpisodeState, final_answer: Optional[str]) -> float:
+        if final_answer is None:
+            return 0.0
+        d = state.data
+        # The undrawn digits of U come from a copy of the RNG: reward() does not mutate the state.
+        u = d["lo"] + d["width"] * copy.deepcopy(d["rng"]).random()
+        return float(u < state.task.meta["p"])
+
+
+@ENVS.register("synthetic_tools")
+class SyntheticToolsEnv(_SeededEnv):
+    """Walk to the goal cell on a line, then answer; learnable by a tiny policy from scratch."""
+
+    name = "synthetic_tools"
+
+    def __init__(self, width: int = 7, max_distance: int = 4, slips: tuple[float, ...] | list[float] = (0.0, 0.25),
+                 seed: int = 0) -> None:
+        if not 2 <= width <= 10 or not 1 <= max_distance < width:
+            raise ValueError(f"synthetic_tools: need 2 <= width <= 10 and 1 <= max_distance < width (got {width}, {max_distance})")
+        if any(not 0.0 <= s < 1.0 for s in slips) or not slips:
+            raise ValueError(f"synthetic_tools: slips must be non-empty and in [0, 1), got {list(slips)}")
+        super().__init__(seed)
+        self.width = width
+        self.tools = [{
+            "type": "function",
+            "function": {"name": "move", "description": "move one cell",
+                         "parameters": {"type": "object", "properties": {"dir": {"type": "string", "enum": ["left", "right"]}},
+                                        "required": ["dir"], "additionalProperties": False}},
+        }]
+        self._tasks = []
+        for slip in slips:
+            for start in range(width):
+                for goal in range(width):
+                    if 1 <= abs(goal - start) <= max_distance:
+                        words = f"start {start} goal {goal}" + (" ice" if slip > 0 else "")
+                        self._tasks.append(Task(
+                            task_id=f"walk-{start}-{goal}-{slip:g}",
+                            messages=[{"role": "system", "content": "walk"}, {"role": "user", "content": words}],
+                            tools=self.tools, gold_answer="done",
+                            meta={"start": start, "goal": goal, "slip": float(slip)},
+                        ))
+
+    def tasks(self, split: str = "train") -> list[Task]:
+        return list(self._tasks)
+
+    def reset(self, task: Task) -> EpisodeState:
+        return EpisodeState(task=task, data={"pos": task.meta["start"], "rng": self._new_rng()})
+
+    def step(self, state: EpisodeState, call: ToolCall) -> str:
+        if call.name != "move" or call.arguments.get("dir") not in ("left", "right"):
+            return f"Error: expected move(dir=left|right), got {call.name}({json.dumps(call.arguments)})"
+        state.history.append(call)
+        d = state.data
+        target = d["pos"] + (1 if call.arguments["dir"] == "right" else -1)
+        if not 0 <= target < self.width:
+            return f"at {d['pos']} wall"
+        if d["rng"].random() >= state.task.meta["slip"]:
+            d["pos"] = target
+        return f"at {d['pos']}"
+
+    def reward(self, state: EpisodeState, final_answer: Optional[str]) -> float:
+        return float(final_answer == "done" and state.data["pos"] == state.task.meta["goal"])
+
+    def uniform_action_success(self, task: Task, max_turns: int) -> float:
+        """Exact success rate of the policy that picks left / right / answer uniformly each turn.
+
+        Dynamic programme over (turns left, cell): answering ends the episode,
+        so P(t, x) = 1/3 [x == goal] + 1/3 Σ_dir E[P(t-1, next cell)].
+        """
+        goal, slip, w = task.meta["goal"], task.meta["slip"], self.width
+        value = [0.0] * w  # no turns left: the episode is truncated, reward 0
+        for _ in range(max_turns):
+            new = []
+            for x in range(w):
+                v = float(x == goal) / 3.0
+                for step in (-1, 1):
+                    y = x + step
+                    v += (value[x] if not 0 <= y < w else slip * value[x] + (1 - slip) * value[y]) / 3.0
+                new.append(v)
+            value = new
+        return value[task.meta["start"]]

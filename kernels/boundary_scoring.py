@@ -86,7 +86,9 @@ if _HAS_TRITON:
             wb = tl.load(W_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)  # (BH,)
             acc += tl.sum(hb * wb[None, :], axis=1)
         logit = acc + tl.load(B_ptr).to(tl.float32)
-        score = 1.0 / (1.0 + tl.exp(-logit))
+        # overflow-free sigmoid: exp of a non-positive argument only
+        e = tl.exp(-tl.abs(logit))
+        score = tl.where(logit >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
         tl.store(LOGIT_ptr + offs_p, logit, mask=mask_p)
         tl.store(SCORE_ptr + offs_p, score, mask=mask_p)
 

@@ -155,12 +155,6 @@ def roots_greedy_python(v: Sequence[float], budget: int, max_rollouts: int) -> l
             d = 2 * a_l - gain(i2, c[i2] - 1)
             if d > best[0]:
                 best = (d, [(l, 2), (i2, -1)])
-        two = [i for i in range(B) if c[i] == 2]
-        if two and max_rollouts >= 3:  # M3: activate l with 3, deactivate the weakest 2-unit prompt
-            i3 = min(two, key=lambda i: (v[i] * (1 - v[i]), i))
-            d = 3 * a_l - 2 * v[i3] * (1 - v[i3])
-            if d > best[0]:
-                best = (d, [(l, 3), (i3, -2)])
     for i, dm in best[1] or []:
         c[i] += dm
     return c

@@ -15,21 +15,21 @@ Algorithm (exact, batched, no host sync):
 2. Parity fix-up. Otherwise c' = c - e_j is the exact optimum for budget-1.
    Every unit it takes has gain >= λ = v_j(1-v_j), and every unit it leaves
    has gain <= λ. By an exchange argument, an optimum for `budget` is c' plus
-   the best of three moves of net +1 unit:
+   the better of two moves of net +1 unit:
      M1  one more unit for an active prompt below max_rollouts;
-     M2  activate the best inactive prompt l (+2), and drop the cheapest tail
-         unit of a prompt with c' >= 3 (-1);
-     M3  activate l with 3 units (+3), and deactivate the active prompt with
-         the smallest v(1-v) among those with c' = 2 (-2).
+     M2  activate the best inactive prompt l (+2) and drop the cheapest tail
+         unit of a prompt with c' >= 3 (-1).
    Proof sketch: write any optimum as c' plus per-prompt changes. Each added
    unit loses λ - gain >= 0 and each removed unit loses gain - λ >= 0 against
-   a net +λ. The changes always contain an M1, M2 or M3 sub-move whose loss is
-   no larger: a raised active prompt gives M1; a shortened active prompt
-   together with an activation gives M2; and when only activations and
-   deactivations are left, a deactivated prompt with c' >= 3 gives M2, and
-   otherwise the net +1 forces an activation of >= 3 units against a
-   2-unit deactivation, which is M3. `tests/allocation` checks this against
-   an exhaustive DP on many random and adversarial instances.
+   a net +λ. A raised active prompt is an M1 sub-move with no larger loss.
+   A shortened active prompt plus an activation is an M2 sub-move. If only
+   activations and deactivations are left, the activations (>= 2 units
+   each) need a deactivation to net +1. A deactivated prompt with c' >= 3
+   gives M2. One with c' = 2 has its halves taken and its third unit (also
+   v(1-v)) left, so its gain is exactly λ, and M1 on it loses nothing.
+   (With max_rollouts = 2 every change is even, so no net +1 exists.)
+   `tests/allocation` checks this against an exhaustive DP on many random
+   and adversarial instances.
 
 Defined edge cases: budget 0 gives all zeros. Budget 1, a negative budget,
 or an odd budget with max_rollouts = 2 raise ValueError (no exact
@@ -123,26 +123,16 @@ def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: in
     nxt = U.gather(1, cp.clamp(max=max_rollouts - 1)[:, None]).squeeze(1)
     d1_all = torch.where((cp >= 2) & (cp < max_rollouts), nxt, -inf)
     i1 = torch.argmax(d1_all)
-    # The best inactive prompt to activate (shared by M2 and M3).
+    # M2: activate the best inactive prompt l with 2 units, drop the cheapest last unit of a prompt with c' >= 3.
     a_in = torch.where(cp == 0, a, -inf)
     l = torch.argmax(a_in)
-    # M2: activate l with 2 units, drop the cheapest last unit of a prompt with c' >= 3.
     last = U.gather(1, (cp - 1).clamp(min=0)[:, None]).squeeze(1)
     rem_all = torch.where(cp >= 3, last, inf)
     i2 = torch.argmin(rem_all)
-    d2 = 2.0 * a_in[l] - rem_all[i2]
-    # M3: activate l with 3 units, deactivate the weakest prompt with c' = 2.
-    two_all = torch.where(cp == 2, a, inf)
-    i3 = torch.argmin(two_all)
-    if max_rollouts >= 3:
-        d3 = U[l, :3].sum() - 2.0 * two_all[i3]
-        d3 = torch.where(torch.isfinite(a_in[l]), d3, -inf)
-    else:
-        d3 = -inf
-    deltas = torch.stack([d1_all[i1], d2, d3])  # (3,)
-    choice = torch.argmax(deltas)  # first maximum: M1 before M2 before M3 on ties
-    apply = (has_split & (deltas.max() > -inf)).long()
-    pick = (choice == torch.arange(3, device=v.device)).long() * apply  # (3,) one-hot or zeros
-    idx = torch.stack([i1, l, i2, l, i3])
-    delta_m = torch.stack([pick[0], 2 * pick[1], -pick[1], 3 * pick[2], -2 * pick[2]])
+    d2 = 2.0 * a_in[l] - rem_all[i2]  # -inf when either side is missing
+    d1 = d1_all[i1]
+    use1 = (d1 >= d2).long()  # M1 on ties
+    apply = (has_split & (torch.maximum(d1, d2) > -inf)).long()
+    idx = torch.stack([i1, l, i2])
+    delta_m = torch.stack([use1, 2 * (1 - use1), use1 - 1]) * apply
     return cp.index_add(0, idx, delta_m)

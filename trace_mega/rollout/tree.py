@@ -217,10 +217,16 @@ class RolloutTree:
 
 
 def save_jsonl(trees: Iterable[RolloutTree], path: str | Path) -> None:
-    """Write one tree per line (floats keep full precision: json writes repr)."""
+    """Write one tree per line (floats keep full precision: json writes repr).
+
+    Every tree is validated first, so an inconsistent tree raises before the file is created.
+    """
+    lines = []
+    for tree in trees:
+        tree.validate()
+        lines.append(json.dumps(tree.to_dict()) + "\n")
     with open(path, "w") as f:
-        for tree in trees:
-            f.write(json.dumps(tree.to_dict()) + "\n")
+        f.writelines(lines)
 
 
 def load_jsonl(path: str | Path) -> list[RolloutTree]:

@@ -1,0 +1,107 @@
+"""The allocator registry: names, equal trajectory budgets, and each allocator's own rule."""
+import pytest
+import torch
+
+from trace_mega.allocation import ALLOCATORS, allocate_prefixes, allocate_roots, build_allocator
+from trace_mega.allocation.allocators import flat_groups, split_budget
+from trace_mega.config import AllocationConfig
+
+NAMES = ["pcl", "trace", "trace_global", "treepo", "uniform"]
+
+
+def _problem(B=32, seed=0):
+    """A seeded generator and random root values."""
+    g = torch.Generator().manual_seed(seed)
+    v_root = torch.rand(B, generator=g)
+    return g, v_root
+
+
+def _prefixes_for(m, turns, g):
+    """Random prefixes, turns - 1 per bare rollout, grouped by prompt."""
+    group = torch.repeat_interleave(torch.arange(m.numel()), m * (turns - 1))
+    P = group.numel()
+    return torch.rand(P, generator=g), torch.randint(0, 2, (P,), generator=g), group
+
+
+def test_registry_names_and_errors():
+    assert ALLOCATORS.names() == NAMES
+    with pytest.raises(KeyError, match="valid names: pcl, trace, trace_global, treepo, uniform"):
+        build_allocator(AllocationConfig(name="nope"))
+
+
+@pytest.mark.parametrize("N", [1.0, 0.5, 1.75])
+@pytest.mark.parametrize("name", NAMES)
+def test_equal_budget(name, N):
+    cfg = AllocationConfig(name=name, prompts_per_step=32, root_rollouts_per_step=50, rollouts_per_prompt_max=8,
+                           group_size=4, continuations_per_rollout=N)
+    alloc = build_allocator(cfg)
+    total = 50 + round(50 * N)
+    assert alloc.trajectories_per_step == total
+    for seed in range(3):
+        g, v_root = _problem(seed=seed)
+        m = alloc.plan_roots(v_root, g)
+        assert m.dtype == torch.long and not bool((m == 1).any())
+        v, r, group = _prefixes_for(m, 4, g)
+        k = alloc.plan_prefixes(v, r, group, m, g)
+        assert int(m.sum()) + int(k.sum()) == total
+        if alloc.tree:
+            assert int(m.sum()) == 50
+        else:
+            assert int(k.sum()) == 0 and set(m[m > 0].tolist()) <= {4, 5}
+
+
+def test_pcl_picks_prompts_nearest_half():
+    cfg = AllocationConfig(name="pcl", prompts_per_step=6, root_rollouts_per_step=4, group_size=4,
+                           continuations_per_rollout=1.0)
+    m = build_allocator(cfg).plan_roots(torch.tensor([0.0, 0.45, 0.9, 0.55, 0.5, 1.0]))
+    assert m.tolist() == [0, 4, 0, 0, 4, 0]
+
+
+def test_uniform_and_treepo_are_seeded():
+    for name in ("uniform", "treepo"):
+        alloc = build_allocator(AllocationConfig(name=name, prompts_per_step=32, root_rollouts_per_step=32))
+        v = torch.rand(32)
+        a = alloc.plan_roots(v, torch.Generator().manual_seed(1))
+        assert torch.equal(a, alloc.plan_roots(v, torch.Generator().manual_seed(1)))
+        assert not torch.equal(a, alloc.plan_roots(v, torch.Generator().manual_seed(2)))
+
+
+def test_treepo_spreads_evenly_at_random():
+    alloc = build_allocator(AllocationConfig(name="treepo", prompts_per_step=4, root_rollouts_per_step=8,
+                                             group_size=4, continuations_per_rollout=1.0))
+    m = torch.tensor([4, 0, 4, 0])
+    group = torch.tensor([0] * 3 + [2] * 5)
+    k = alloc.plan_prefixes(torch.rand(8), torch.ones(8), group, m, torch.Generator().manual_seed(0))
+    assert sorted(k[:3].tolist()) == [1, 1, 2] and sorted(k[3:].tolist()) == [0, 1, 1, 1, 1]
+
+
+def test_trace_uses_exact_solvers():
+    cfg = AllocationConfig(name="trace", prompts_per_step=16, root_rollouts_per_step=30, rollouts_per_prompt_max=6,
+                           continuations_per_rollout=1.5, continuations_per_prefix_max=3)
+    g, v_root = _problem(B=16, seed=4)
+    alloc = build_allocator(cfg)
+    m = alloc.plan_roots(v_root, g)
+    assert torch.equal(m, allocate_roots(v_root, 30, 6))
+    v, r, group = _prefixes_for(m, 3, g)
+    budget = alloc.prefix_budgets(m)
+    assert int(budget.sum()) == 45 and bool((budget[m == 0] == 0).all())
+    assert torch.equal(alloc.plan_prefixes(v, r, group, m), allocate_prefixes(v, r, group, budget, 3))
+    glob = build_allocator(AllocationConfig(**{**cfg.__dict__, "name": "trace_global"}))
+    assert torch.equal(glob.plan_prefixes(v, r, group, m), allocate_prefixes(v, r, group, budget, 3, pool="global"))
+
+
+def test_trace_rejects_budgets_it_cannot_spend():
+    with pytest.raises(ValueError, match="exceeds"):
+        build_allocator(AllocationConfig(name="trace", prompts_per_step=4, root_rollouts_per_step=40))
+    with pytest.raises(ValueError, match="odd root budget"):
+        build_allocator(AllocationConfig(name="trace_global", root_rollouts_per_step=9, rollouts_per_prompt_max=2))
+
+
+def test_helpers():
+    order = torch.tensor([3, 1, 0, 2])
+    assert flat_groups(order, 10, 4).tolist() == [0, 5, 0, 5]
+    assert flat_groups(order, 3, 4).tolist() == [0, 0, 0, 3]
+    assert flat_groups(order, 40, 4).tolist() == [10, 10, 10, 10]  # pool too small: bigger groups
+    assert flat_groups(order, 0, 4).tolist() == [0, 0, 0, 0]
+    b = split_budget(torch.tensor([3, 0, 2, 5]), 0.5, 5)
+    assert b.tolist() == [2, 0, 1, 2] and int(b.sum()) == 5  # floors 1,0,1,2; largest fractions first

@@ -379,10 +379,11 @@ def _default_blocks(head_dim: int, device: torch.device) -> dict:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # tf32 only when the user allowed it for fp32 matmuls, as torch does
-    if dtype == torch.float32 and not _INTERPRET and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+    """tl.dot input precision: only matters for fp32 operands (the interpreter ignores it)."""
+    if dtype != torch.float32:
+        return "tf32"  # Triton's default; irrelevant for 16-bit operands
+    # fp32 runs on tf32 tensor cores only when the user allowed it for matmuls, as torch does
+    return "tf32" if not _INTERPRET and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def _lastdim_contig(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ axis (odd T exercises the ragged last tile).
 from __future__ import annotations
 
 import random
+import sys
 import warnings
 
 import pytest
@@ -374,6 +375,29 @@ def test_cpu_without_interpreter_falls_back_to_reference(monkeypatch):
         got = _fwd_bwd(tree_attention, q, k, v, do, tn, te)
     assert any("TRITON_INTERPRET" in str(w.message) for w in rec)
     _assert_close(got, _ref32(q, k, v, do, tn, te), atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------- benchmark
+
+
+def test_benchmark_quick_run(tmp_path):
+    """The benchmark runs, its analytic counts are consistent, and its spot-check passes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_tree_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_tree_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.json"
+    res = bench.main(["--quick", "--json", str(out)])
+    assert out.exists() and res["spot_check"]["ok"]
+    (row,) = res["work"]
+    assert row["packed_tokens"] < row["flat_tokens"]
+    assert row["fwd_gflop_packed"] < row["fwd_gflop_flat_causal"]
+    assert row["fwd_gflop_packed"] <= row["fwd_gflop_kernel_executed"] <= row["fwd_gflop_packed_dense_causal"]
+    assert 0.0 < row["tiles_skipped_frac"] < 1.0
 
 
 # ----------------------------------------------------------------- GPU

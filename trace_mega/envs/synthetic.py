@@ -24,13 +24,15 @@ rendering and parsing path.
   succeeds at a low, distance-dependent rate (`uniform_action_success`), so
   prompt success rates spread over (0, 1).
 
-Each episode's randomness comes from a per-state RNG; `fork` reseeds the copy
-from the environment's master RNG (seeded by `seed`), so continuations
-branched from one prefix are independent and a run is reproducible.
+Each episode's randomness comes from a per-state RNG (for ``synthetic``, the
+undrawn digits of U are a uniform ``tail`` drawn with it); `fork` replaces
+them with fresh draws from the environment's master RNG (seeded by `seed`).
+Given the revealed digits the rest of U is uniform, so redrawing it on a fork
+leaves every probability above unchanged, makes continuations branched from
+one prefix independent, and keeps a run reproducible.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import random
@@ -80,10 +82,15 @@ class _SeededEnv(Env):
     def _new_rng(self) -> random.Random:
         return random.Random(self._master.getrandbits(64))
 
+    def _fresh_randomness(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Episode randomness from now on: a new RNG (and, for `synthetic`, a new tail of U)."""
+        data["rng"] = self._new_rng()
+        return data
+
     def fork(self, state: EpisodeState) -> EpisodeState:
-        new = copy.deepcopy(state)
-        new.data["rng"] = self._new_rng()
-        return new
+        # Tasks are shared read-only and the data holds scalars only, so a shallow copy is a
+        # full copy; the RNG is replaced, never shared. (deepcopy here was the rollout's hot spot.)
+        return EpisodeState(task=state.task, data=self._fresh_randomness(dict(state.data)), history=list(state.history))
 
 
 @ENVS.register("synthetic")
@@ -115,7 +122,13 @@ class SyntheticEnv(_SeededEnv):
         return list(self._tasks)
 
     def reset(self, task: Task) -> EpisodeState:
-        return EpisodeState(task=task, data={"lo": 0.0, "width": 1.0, "revealed": 0, "rng": self._new_rng()})
+        return EpisodeState(task=task, data=self._fresh_randomness({"lo": 0.0, "width": 1.0, "revealed": 0}))
+
+    def _fresh_randomness(self, data: dict[str, Any]) -> dict[str, Any]:
+        data = super()._fresh_randomness(data)
+        # U = lo + width * tail: the digits not revealed yet, drawn now so reward() reads, never draws.
+        data["tail"] = data["rng"].random()
+        return data
 
     def step(self, state: EpisodeState, call: ToolCall) -> str:
         if call.name != "reveal":
@@ -124,7 +137,9 @@ class SyntheticEnv(_SeededEnv):
         state.history.append(call)
         if d["revealed"] >= self.num_bits:
             return "empty"
-        bit = int(d["rng"].random() < 0.5)
+        # The next binary digit of U is the leading digit of the tail; the rest stays uniform.
+        bit = int(d["tail"] >= 0.5)
+        d["tail"] = 2.0 * d["tail"] - bit
         d["width"] /= 2.0
         d["lo"] += bit * d["width"]
         d["revealed"] += 1
@@ -139,9 +154,7 @@ class SyntheticEnv(_SeededEnv):
         if final_answer is None:
             return 0.0
         d = state.data
-        # The undrawn digits of U come from a copy of the RNG: reward() does not mutate the state.
-        u = d["lo"] + d["width"] * copy.deepcopy(d["rng"]).random()
-        return float(u < state.task.meta["p"])
+        return float(d["lo"] + d["width"] * d["tail"] < state.task.meta["p"])
 
 
 @ENVS.register("synthetic_tools")
@@ -181,7 +194,7 @@ class SyntheticToolsEnv(_SeededEnv):
         return list(self._tasks)
 
     def reset(self, task: Task) -> EpisodeState:
-        return EpisodeState(task=task, data={"pos": task.meta["start"], "rng": self._new_rng()})
+        return EpisodeState(task=task, data=self._fresh_randomness({"pos": task.meta["start"]}))
 
     def step(self, state: EpisodeState, call: ToolCall) -> str:
         if call.name != "move" or call.arguments.get("dir") not in ("left", "right"):

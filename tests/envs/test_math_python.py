@@ -1,0 +1,119 @@
+"""math_python: loaders, math-verify reward, the python tool, concurrent episodes."""
+import json
+
+import pytest
+
+from trace_mega.envs import build_env
+from trace_mega.envs.base import ToolCall
+from trace_mega.envs.math_python import (
+    SHIPPED,
+    MathPythonEnv,
+    last_boxed,
+    load_math_jsonl,
+    math_reward,
+)
+from trace_mega.envs.sandbox import SandboxLimits
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = build_env("math_python", limits=SandboxLimits(cpu_s=2, wall_s=4.0), max_workers=4)
+    yield e
+    e.close()
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_shipped_problems(env):
+    tasks = env.tasks("train")
+    assert len(tasks) == 10 and env.tasks("test")[0].gold_answer == tasks[0].gold_answer
+    for t in tasks:
+        assert t.messages[0]["role"] == "system" and "<answer>" in t.messages[0]["content"]
+        assert t.tools[0]["function"]["name"] == "python" and t.gold_answer
+        assert math_reward(t.gold_answer, t.gold_answer) == 1.0
+    with pytest.raises(ValueError):
+        env.tasks("validation")
+
+
+def test_deepscaler_and_math_layouts(tmp_path):
+    deep = _write(tmp_path / "deepscaler.jsonl", [
+        {"problem": "What is 2+3?", "answer": "5", "solution": "2+3=5"},
+        {"problem": "Half of 1?", "answer": "\\frac{1}{2}", "solution": "..."},
+    ])
+    math = _write(tmp_path / "math.jsonl", [
+        {"problem": "Compute $\\sqrt{16}$.", "solution": "It is $\\boxed{4}$.", "level": "Level 1",
+         "type": "Algebra"},
+        {"problem": "Simplify.", "solution": "First $\\boxed{1}$, finally $\\boxed{\\frac{a}{b^{2}}}$."},
+        {"problem": "MATH500 row", "solution": "x", "answer": "7", "unique_id": "test/algebra/1.json"},
+    ])
+    d = load_math_jsonl(deep)
+    assert [t.gold_answer for t in d] == ["5", "\\frac{1}{2}"]
+    assert d[0].messages[-1] == {"role": "user", "content": "What is 2+3?"}
+    m = load_math_jsonl(math)
+    assert [t.gold_answer for t in m] == ["4", "\\frac{a}{b^{2}}", "7"]
+    assert m[0].meta["level"] == "Level 1" and m[2].task_id == "test/algebra/1.json"
+    bad = _write(tmp_path / "bad.jsonl", [{"problem": "no answer", "solution": "none"}])
+    with pytest.raises(ValueError, match="boxed"):
+        load_math_jsonl(bad)
+    env = MathPythonEnv(train_path=str(math))
+    assert len(env.tasks("train")) == 3 and len(env.tasks("test")) == 10
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{x^{2}+1}") == "x^{2}+1"
+    assert last_boxed("\\fbox{3}") == "3" and last_boxed("none") is None
+    assert last_boxed("\\boxed{unclosed") is None
+
+
+@pytest.mark.parametrize("gold,answer,expected", [
+    ("\\frac{100}{101}", "\\boxed{\\frac{100}{101}}", 1.0),
+    ("\\frac{100}{101}", "100/101", 1.0),
+    ("1+\\sqrt{2}", "\\sqrt{2} + 1", 1.0),
+    ("1+\\sqrt{2}", "So the root is $1+\\sqrt{2}$.", 1.0),
+    ("649", "The last three digits are \\boxed{649}", 1.0),
+    ("649", "\\boxed{648}", 0.0),
+    ("1+\\sqrt{2}", "1-\\sqrt{2}", 0.0),
+    ("405", None, 0.0),
+    ("405", "   ", 0.0),
+    ("405", "I do not know", 0.0),
+])
+def test_math_verify_reward(gold, answer, expected):
+    assert math_reward(gold, answer) == expected
+
+
+def test_python_tool_episode(env):
+    task = env.tasks()[0]
+    state = env.reset(task)
+    obs = env.step(state, ToolCall("python", {"code": "import sympy\nprint(sum(sympy.primerange(1000)))"}))
+    assert obs.strip() == "76127"
+    assert "unknown tool" in env.step(state, ToolCall("bash", {"cmd": "ls"}))
+    assert "string argument 'code'" in env.step(state, ToolCall("python", {"src": "1"}))
+    assert len(state.history) == 3
+    assert env.reward(state, obs.strip()) == 1.0 and env.reward(state, "76128") == 0.0
+    child = env.fork(state)
+    env.step(child, ToolCall("python", {"code": "print(1)"}))
+    assert len(child.history) == 4 and len(state.history) == 3
+
+
+def test_bombs_in_some_episodes_leave_the_others_intact(env):
+    tasks = env.tasks()
+    states = [env.reset(t) for t in tasks]
+    bombs = ["while True: pass", "x = bytearray(8 * 1024 ** 3)",
+             "import os\nwhile True: os.fork()", "print('z' * 100_000_000)",
+             "import socket; socket.create_connection(('1.1.1.1', 80))"]
+    items = []
+    for i, state in enumerate(states):
+        code = bombs[i // 2] if i % 2 else f"print({i} * 111)"
+        items.append((state, ToolCall("python", {"code": code})))
+    observations = env.step_many(items)
+    for i, obs in enumerate(observations):
+        if i % 2 == 0:
+            assert obs.strip() == str(i * 111)
+        else:
+            assert obs.strip() and str(i * 111) not in obs
+    assert "time limit" in observations[1] and "MemoryError" in observations[3]
+    assert "os.fork is not allowed" in observations[5] and "[output truncated]" in observations[7]
+    assert "socket" in observations[9]

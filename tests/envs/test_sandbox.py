@@ -1,0 +1,155 @@
+"""The Python sandbox: each attack is contained, reported, and harms no other call."""
+import os
+import signal
+import socket
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from trace_mega.envs.sandbox import Sandbox, SandboxLimits, namespaces_available
+
+LIMITS = SandboxLimits(cpu_s=1, wall_s=3.0, memory_mb=512, output_bytes=4096, file_mb=1)
+MODES = ["none", pytest.param("namespaces", marks=pytest.mark.skipif(
+    not namespaces_available(), reason="unshare --user --net is not usable here"))]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def sandbox(request):
+    box = Sandbox(limits=LIMITS, max_workers=4, isolation=request.param)
+    yield box
+    box.close()
+
+
+def _no_children_left():
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def _patient(sandbox, cpu_s):
+    """The same isolation with a generous wall limit, so the CPU or memory limit is what
+    stops a call even on a busy machine."""
+    return Sandbox(limits=SandboxLimits(cpu_s=cpu_s, wall_s=30.0, memory_mb=LIMITS.memory_mb),
+                   max_workers=1, isolation="namespaces" if sandbox.use_namespaces else "none")
+
+
+def test_plain_code_runs(sandbox):
+    res = sandbox.run("import math\nprint(math.comb(20, 10))")
+    assert (res.status, res.exit_code, res.output.strip()) == ("ok", 0, "184756")
+    err = sandbox.run("1/0")
+    assert err.status == "error" and "ZeroDivisionError" in err.observation()
+    assert 'File "<cell>", line 1' in err.output and 'File "<string>"' not in err.output
+
+
+def test_working_directory_is_a_private_temporary_directory(sandbox):
+    res = sandbox.run(
+        "import os\nopen('scratch.txt', 'w').write('hi')\n"
+        "print(os.getcwd()); print(os.environ['HOME'] == os.getcwd() == os.environ['TMPDIR'])\n"
+        "print(sorted(os.environ))"
+    )
+    cwd, same, env = res.output.splitlines()
+    assert res.status == "ok" and same == "True"
+    assert cwd.startswith(tempfile.gettempdir()) and not os.path.exists(cwd)
+    assert "PYTHONPATH" not in env and "LD_PRELOAD" not in env
+
+
+def test_infinite_loop_is_stopped_by_the_cpu_limit(sandbox):
+    res = _patient(sandbox, cpu_s=1).run("while True:\n    pass")
+    assert res.status == "cpu_limit" and "CPU-time limit" in res.observation()
+    assert res.exit_code == -signal.SIGXCPU and res.wall_s < 30.0
+
+
+def test_sleeping_code_is_killed_at_the_wall_time_limit(sandbox):
+    res = sandbox.run("import time\ntime.sleep(60)")
+    assert res.status == "timeout" and "timed out" in res.observation()
+    assert LIMITS.wall_s <= res.wall_s < LIMITS.wall_s + 2
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nwhile True:\n    os.fork()",
+    "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])",
+    "import os\nos.system('sleep 100 &')",
+    "import _posixsubprocess\n_posixsubprocess.fork_exec()",
+    "import multiprocessing as mp\nmp.Process(target=print).start()",
+])
+def test_fork_bomb_is_refused(sandbox, code):
+    res = sandbox.run(code)
+    assert res.status == "error" and "sandbox:" in res.output and "not allowed" in res.output
+    assert _no_children_left()
+
+
+def test_memory_bomb_fails_with_memory_error(sandbox):
+    res = sandbox.run("x = bytearray(4 * 1024 ** 3)")
+    assert res.status == "error" and "MemoryError" in res.output
+    res = _patient(sandbox, cpu_s=20).run("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 ** 2))")
+    assert res.status == "error" and "MemoryError" in res.output
+
+
+def test_writes_outside_the_directory_are_refused(sandbox, tmp_path):
+    target = tmp_path / f"escape-{uuid.uuid4().hex}.txt"
+    attempts = [
+        f"open({str(target)!r}, 'w').write('x')",
+        f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+        f"import os\nos.symlink({str(target)!r}, 'link')\nopen('link', 'w').write('x')",
+        f"import shutil\nopen('a', 'w').write('x')\nshutil.copyfile('a', {str(target)!r})",
+        f"import os\nos.remove({str(tmp_path)!r})",
+        "import pathlib\npathlib.Path('../elsewhere.txt').write_text('x')",
+    ]
+    for code in attempts:
+        res = sandbox.run(code)
+        assert res.status == "error" and "sandbox:" in res.output, (code, res.output)
+    assert not target.exists() and tmp_path.exists()
+
+
+def test_file_size_is_capped(sandbox):
+    res = sandbox.run("open('big', 'wb').write(b'x' * (4 * 1024 ** 2))")
+    assert res.status == "error" and "File too large" in res.output
+
+
+def test_sockets_are_refused(sandbox):
+    with socket.socket() as server:  # a listener the child would reach without the sandbox
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        res = sandbox.run(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}))")
+        assert res.status == "error" and "sandbox: socket" in res.output
+        server.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            server.accept()
+    res = sandbox.run("import urllib.request\nurllib.request.urlopen('http://example.com')")
+    assert res.status == "error" and "sandbox: socket" in res.output
+
+
+def test_100mb_of_output_is_truncated_and_stopped(sandbox):
+    start = time.monotonic()
+    res = sandbox.run("import sys\nsys.stdout.write('x' * 100_000_000)\nprint('end')")
+    assert res.status == "output_limit" and res.truncated
+    assert len(res.output) == LIMITS.output_bytes and "[output truncated]" in res.observation()
+    assert time.monotonic() - start < LIMITS.wall_s
+
+
+def test_a_bomb_does_not_disturb_concurrent_calls(sandbox):
+    bombs = ["while True:\n    pass", "x = bytearray(4 * 1024 ** 3)",
+             "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)",
+             "import os\nwhile True:\n    os.fork()", "import time\ntime.sleep(60)"]
+    normal = [f"import time\ntime.sleep(0.3)\nprint(sum(range({n})))" for n in range(10)]
+    codes = [c for pair in zip(bombs * 2, normal) for c in pair]
+    fds = len(os.listdir("/proc/self/fd"))
+    results = sandbox.run_many(codes)
+    for code, res in zip(codes, results):
+        if code in normal:
+            n = normal.index(code)
+            assert (res.status, res.output.strip()) == ("ok", str(sum(range(n))))
+        else:
+            assert res.status != "ok"
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1  # the pool's own pipes aside
+    assert _no_children_left()
+
+
+def test_bad_isolation_name():
+    with pytest.raises(ValueError):
+        Sandbox(isolation="chroot")

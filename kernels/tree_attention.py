@@ -79,7 +79,7 @@ _I32_MAX = 2147483647
 
 @triton.jit
 def _tree_attn_fwd(
-    Q, K, V, O, LSE, TN, TE, KLO, KEXIT,
+    Q, K, V, O, LSE, TN, TE, KSTATS,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -108,6 +108,8 @@ def _tree_attn_fwd(
     q_ok = qn >= 0
     q_lo = tl.min(tl.where(q_ok, qn, 2147483647), axis=0)
     q_hi = tl.max(tl.where(q_ok, qn, -1), axis=0)
+    q_raw_lo = tl.min(qn, axis=0)  # < 0 iff the tile holds padding or runs past T
+    start_m = pid_m * BLOCK_M
 
     # finite "-inf" start so a row whose first visited tile is fully masked
     # gets alpha = exp2(0) = 1 and p = 0 instead of inf - inf = NaN
@@ -120,13 +122,16 @@ def _tree_attn_fwd(
     n_end = tl.minimum((pid_m + 1) * BLOCK_M, T)  # causal: keys after the tile's last row never count
     for start_n in range(0, n_end, BLOCK_N):
         nb = start_n // BLOCK_N
-        k_lo = tl.load(KLO + b * NKB + nb)
-        k_exit = tl.load(KEXIT + b * NKB + nb)
+        st = KSTATS + (b * NKB + nb) * 5  # (lo, hi, exit_hi, raw_lo, exit_lo) of the key tile
+        k_lo = tl.load(st)
+        k_exit = tl.load(st + 2)
         if (k_exit >= q_lo) & (k_lo <= q_hi):  # else: no key node can be an ancestor of a query node
+            # partial unless every key precedes every query, every key node <= every query
+            # node <= every key exit, and neither tile holds padding: then no mask is needed
+            partial = ((start_n + BLOCK_N > start_m) | (tl.load(st + 1) > q_raw_lo)
+                       | (q_hi > tl.load(st + 4)) | (q_raw_lo < 0))
             offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,)
             n_in = offs_n < T
-            kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
-            ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
             kv_mask = n_in[:, None] & d_in[None, :]
             k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
                         mask=kv_mask, other=0.0)  # (BN, BD)
@@ -136,9 +141,12 @@ def _tree_attn_fwd(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN), log2 units
-            allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
-                       & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
-            s = tl.where(allowed, s, float("-inf"))
+            if partial:
+                kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
+                ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
+                allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                           & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
+                s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp2(s - m_new[:, None])  # (BM, BN); 0 where masked
             alpha = tl.exp2(m_i - m_new)
@@ -161,7 +169,7 @@ def _tree_attn_fwd(
 
 @triton.jit
 def _tree_attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TN, TE, QLO, QHI,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TN, TE, QSTATS,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -195,7 +203,9 @@ def _tree_attn_bwd_dkdv(
     ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
     k_ok = kn >= 0
     k_lo = tl.min(tl.where(k_ok, kn, 2147483647), axis=0)
+    k_hi = tl.max(kn, axis=0)
     k_exit = tl.max(tl.where(k_ok, ke, -1), axis=0)
+    k_exit_lo = tl.min(tl.where(k_ok, ke, -1), axis=0)  # -1 iff the tile holds padding / runs past T
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -207,9 +217,13 @@ def _tree_attn_bwd_dkdv(
         row_base = (b * HQ + h) * T
         for start_m in range(m_begin, T, BLOCK_M):
             mb = start_m // BLOCK_M
-            q_lo = tl.load(QLO + b * NQB + mb)
-            q_hi = tl.load(QHI + b * NQB + mb)
+            st = QSTATS + (b * NQB + mb) * 5  # (lo, hi, exit_hi, raw_lo, exit_lo) of the query tile
+            q_lo = tl.load(st)
+            q_hi = tl.load(st + 1)
             if (k_exit >= q_lo) & (k_lo <= q_hi):
+                q_raw_lo = tl.load(st + 3)
+                partial = ((start_n + BLOCK_N > start_m) | (k_hi > q_raw_lo)
+                           | (q_hi > k_exit_lo) | (q_raw_lo < 0))
                 offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,)
                 m_in = offs_m < T
                 qd_mask = m_in[:, None] & d_in[None, :]
@@ -220,14 +234,16 @@ def _tree_attn_bwd_dkdv(
                 if UPCAST:
                     q = q.to(tl.float32)
                     do = do.to(tl.float32)
-                qn = tl.load(TN + b * T + offs_m, mask=m_in, other=-1)
                 lse = tl.load(LSE + row_base + offs_m, mask=m_in, other=0.0)  # (BM,)
                 delta = tl.load(DELTA + row_base + offs_m, mask=m_in, other=0.0)  # (BM,)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-                allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
-                           & (offs_n[None, :] <= offs_m[:, None]) & k_ok[None, :] & (qn[:, None] >= 0))
-                # mask before exp2 so masked garbage scores cannot overflow to inf
-                p = tl.exp2(tl.where(allowed, s, float("-inf")) - lse[:, None])  # (BM, BN) probs
+                if partial:
+                    qn = tl.load(TN + b * T + offs_m, mask=m_in, other=-1)
+                    allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                               & (offs_n[None, :] <= offs_m[:, None]) & k_ok[None, :] & (qn[:, None] >= 0))
+                    # mask before exp2 so masked garbage scores cannot overflow to inf
+                    s = tl.where(allowed, s, float("-inf"))
+                p = tl.exp2(s - lse[:, None])  # (BM, BN) softmax probs
                 dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
                 ds = p * (dp - delta[:, None])  # dL/d(logits), before the scale
                 if UPCAST:
@@ -245,7 +261,7 @@ def _tree_attn_bwd_dkdv(
 
 @triton.jit
 def _tree_attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, TN, TE, KLO, KEXIT,
+    Q, K, V, DO, LSE, DELTA, DQ, TN, TE, KSTATS,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -278,6 +294,8 @@ def _tree_attn_bwd_dq(
     q_ok = qn >= 0
     q_lo = tl.min(tl.where(q_ok, qn, 2147483647), axis=0)
     q_hi = tl.max(tl.where(q_ok, qn, -1), axis=0)
+    q_raw_lo = tl.min(qn, axis=0)  # < 0 iff the tile holds padding or runs past T
+    start_m = pid_m * BLOCK_M
     lse = tl.load(LSE + (b * HQ + h) * T + offs_m, mask=m_in, other=0.0)
     delta = tl.load(DELTA + (b * HQ + h) * T + offs_m, mask=m_in, other=0.0)
 
@@ -287,13 +305,14 @@ def _tree_attn_bwd_dq(
     n_end = tl.minimum((pid_m + 1) * BLOCK_M, T)
     for start_n in range(0, n_end, BLOCK_N):
         nb = start_n // BLOCK_N
-        k_lo = tl.load(KLO + b * NKB + nb)
-        k_exit = tl.load(KEXIT + b * NKB + nb)
+        st = KSTATS + (b * NKB + nb) * 5  # (lo, hi, exit_hi, raw_lo, exit_lo) of the key tile
+        k_lo = tl.load(st)
+        k_exit = tl.load(st + 2)
         if (k_exit >= q_lo) & (k_lo <= q_hi):
+            partial = ((start_n + BLOCK_N > start_m) | (tl.load(st + 1) > q_raw_lo)
+                       | (q_hi > tl.load(st + 4)) | (q_raw_lo < 0))
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_in = offs_n < T
-            kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
-            ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
             kv_mask = n_in[:, None] & d_in[None, :]
             k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
                         mask=kv_mask, other=0.0)  # (BN, BD)
@@ -303,9 +322,13 @@ def _tree_attn_bwd_dq(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-            allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
-                       & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
-            p = tl.exp2(tl.where(allowed, s, float("-inf")) - lse[:, None])  # (BM, BN)
+            if partial:
+                kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
+                ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
+                allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                           & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
+                s = tl.where(allowed, s, float("-inf"))
+            p = tl.exp2(s - lse[:, None])  # (BM, BN)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])  # (BM, BN)
             if UPCAST:
@@ -323,47 +346,64 @@ _INTERPRET = not isinstance(_tree_attn_fwd, triton.runtime.jit.JITFunction)
 # --------------------------------------------------------------------------- host side
 
 
-def _tile_stats(token_node: torch.Tensor, token_node_exit: torch.Tensor, block: int):
-    """Per-tile (min node, max node, max exit) over non-padding tokens, each (B, cdiv(T, block)) int32.
+def _tile_stats(token_node: torch.Tensor, token_node_exit: torch.Tensor, block: int) -> torch.Tensor:
+    """Per-tile node statistics, (B, cdiv(T, block), 5) int32 contiguous.
 
-    An all-padding tile gets (INT32_MAX, -1, -1) so every skip test rejects it.
+    Fields: 0 ``lo`` = min node over non-padding tokens (INT32_MAX if none),
+    1 ``hi`` = max node (-1 if none), 2 ``exit_hi`` = max exit (-1 if none),
+    3 ``raw_lo`` = min node counting padding and positions past T as -1,
+    4 ``exit_lo`` = min exit, padding / past-T as -1.  Fields 0-2 decide
+    skipping; 3-4 detect tiles that need no mask (see the kernels).
     """
     B, T = token_node.shape
     nb = triton.cdiv(T, block)
     pad = nb * block - T
     valid = token_node >= 0
-    lo = F.pad(torch.where(valid, token_node, _I32_MAX), (0, pad), value=_I32_MAX)
-    hi = F.pad(torch.where(valid, token_node, -1), (0, pad), value=-1)
-    ex = F.pad(torch.where(valid, token_node_exit, -1), (0, pad), value=-1)
-    as_tiles = lambda x: x.view(B, nb, block)  # noqa: E731  (B, nb, block)
-    return (as_tiles(lo).amin(-1).to(torch.int32).contiguous(),
-            as_tiles(hi).amax(-1).to(torch.int32).contiguous(),
-            as_tiles(ex).amax(-1).to(torch.int32).contiguous())
+    tiles = lambda x, fill: F.pad(x, (0, pad), value=fill).view(B, nb, block)  # noqa: E731  (B, nb, block)
+    node = torch.where(valid, token_node, -1)
+    ex = torch.where(valid, token_node_exit, -1)
+    return torch.stack([
+        tiles(torch.where(valid, token_node, _I32_MAX), _I32_MAX).amin(-1),
+        tiles(node, -1).amax(-1),
+        tiles(ex, -1).amax(-1),
+        tiles(node, -1).amin(-1),
+        tiles(ex, -1).amin(-1),
+    ], dim=-1).to(torch.int32).contiguous()
 
 
-def tile_skip_stats(token_node, token_node_exit, block_m: int = 64, block_n: int = 64) -> dict:
+def tile_skip_stats(token_node, token_node_exit, block_m: int = 64, block_n: int = 64, *,
+                    return_masks: bool = False) -> dict:
     """Count the (query tile, key tile) pairs the forward visits, with the kernel's skip rule.
 
     Returns ints: ``total`` (all B * nQ * nK pairs), ``causal`` (pairs not
     entirely after the query tile), ``visited`` (causal pairs surviving the
-    node-range test) and the float ``skipped_frac`` = 1 - visited / causal.
+    node-range test), ``unmasked`` (visited pairs the kernels run without
+    evaluating the mask: every key visible to every query) and the float
+    ``skipped_frac`` = 1 - visited / causal.  With ``return_masks`` also the
+    (B, nQ, nK) bool tensors ``visited_mask`` and ``unmasked_mask``.
     """
     token_node = torch.as_tensor(token_node).to(torch.int64)
     token_node_exit = torch.as_tensor(token_node_exit).to(torch.int64)
     if token_node.dim() == 1:
         token_node, token_node_exit = token_node[None], token_node_exit[None]
     B, T = token_node.shape
-    q_lo, q_hi, _ = _tile_stats(token_node, token_node_exit, block_m)  # (B, nQ)
-    k_lo, _, k_exit = _tile_stats(token_node, token_node_exit, block_n)  # (B, nK)
-    nq, nk = q_lo.shape[1], k_lo.shape[1]
-    q_end = torch.clamp((torch.arange(nq) + 1) * block_m, max=T)  # exclusive end of each query tile
-    k_start = torch.arange(nk) * block_n
-    causal = (k_start[None, :] < q_end[:, None])[None].expand(B, nq, nk)  # (B, nQ, nK)
-    ranged = (k_exit[:, None, :] >= q_lo[:, :, None]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    qs = _tile_stats(token_node, token_node_exit, block_m)[:, :, None, :]  # (B, nQ, 1, 5)
+    ks = _tile_stats(token_node, token_node_exit, block_n)[:, None, :, :]  # (B, 1, nK, 5)
+    nq, nk = qs.shape[1], ks.shape[2]
+    q_start = torch.arange(nq)[:, None] * block_m
+    q_end = torch.clamp(q_start + block_m, max=T)  # exclusive end of each query tile
+    k_start = torch.arange(nk)[None, :] * block_n
+    causal = (k_start < q_end)[None].expand(B, nq, nk)  # (B, nQ, nK)
+    ranged = (ks[..., 2] >= qs[..., 0]) & (ks[..., 0] <= qs[..., 1])
     visited = causal & ranged
+    unmasked = (visited & (k_start + block_n <= q_start)[None] & (ks[..., 1] <= qs[..., 3])
+                & (qs[..., 1] <= ks[..., 4]) & (qs[..., 3] >= 0))
     n_causal, n_visited = int(causal.sum()), int(visited.sum())
-    return {"total": B * nq * nk, "causal": n_causal, "visited": n_visited,
-            "skipped_frac": 1.0 - n_visited / max(n_causal, 1)}
+    out = {"total": B * nq * nk, "causal": n_causal, "visited": n_visited, "unmasked": int(unmasked.sum()),
+           "skipped_frac": 1.0 - n_visited / max(n_causal, 1)}
+    if return_masks:
+        out.update(visited_mask=visited, unmasked_mask=unmasked)
+    return out
 
 
 def _default_blocks(head_dim: int, device: torch.device) -> dict:
@@ -416,15 +456,15 @@ def _forward(q, k, v, tn, te, scale, bm, bn, warps, stages):
     Hkv = k.shape[2]
     o = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)  # (B, T, Hq, D)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)  # base-2 log-sum-exp
-    k_lo, _, k_exit = _tile_stats(tn, te, bn)  # (B, nK)
+    k_stats = _tile_stats(tn, te, bn)  # (B, nK, 5)
     grid = (triton.cdiv(T, bm), B * Hq)
     _tree_attn_fwd[grid](
-        q, k, v, o, lse, tn, te, k_lo, k_exit,
+        q, k, v, o, lse, tn, te, k_stats,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        T, k_lo.shape[1], Hq, Hq // Hkv, D, scale * math.log2(math.e),
+        T, k_stats.shape[1], Hq, Hq // Hkv, D, scale * math.log2(math.e),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(D)),
         UPCAST=_INTERPRET, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
@@ -444,28 +484,28 @@ def _backward(do, q, k, v, o, lse, tn, te, scale, bm, bn, warps, stages, need_dq
     if need_dkv:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        q_lo, q_hi, _ = _tile_stats(tn, te, bm)  # (B, nQ)
+        q_stats = _tile_stats(tn, te, bm)  # (B, nQ, 5)
         _tree_attn_bwd_dkdv[(triton.cdiv(T, bn), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, tn, te, q_lo, q_hi,
+            q, k, v, do, lse, delta, dk, dv, tn, te, q_stats,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
-            T, q_lo.shape[1], Hq, Hkv, Hq // Hkv, D, qk_scale, scale, **common,
+            T, q_stats.shape[1], Hq, Hkv, Hq // Hkv, D, qk_scale, scale, **common,
         )
     if need_dq:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        k_lo, _, k_exit = _tile_stats(tn, te, bn)  # (B, nK)
+        k_stats = _tile_stats(tn, te, bn)  # (B, nK, 5)
         _tree_attn_bwd_dq[(triton.cdiv(T, bm), B * Hq)](
-            q, k, v, do, lse, delta, dq, tn, te, k_lo, k_exit,
+            q, k, v, do, lse, delta, dq, tn, te, k_stats,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            T, k_lo.shape[1], Hq, Hq // Hkv, D, qk_scale, scale, **common,
+            T, k_stats.shape[1], Hq, Hq // Hkv, D, qk_scale, scale, **common,
         )
     return dq, dk, dv
 

@@ -176,6 +176,8 @@ class OptimConfig:
     """Floor of the schedule."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
+    lr_decay_steps: int = 0
+    """0: constant LR after warm-up; else cosine decay to min_lr, reaching it at this step."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9

@@ -121,7 +121,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, device: tor
         init_method_std=0.02,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        sequence_parallel=parallel.sequence_parallel and tp > 1,
+        # megatron-core requires sequence parallelism for MoE with TP > 1.
+        sequence_parallel=tp > 1 and (parallel.sequence_parallel or moe),
         # Packed micro-batches differ in length: PP must exchange shapes.
         variable_seq_lengths=True,
         # Checked even for dense models: allgather refuses variable_seq_lengths.
@@ -186,6 +187,26 @@ class TreeGPTModel(GPTModel):
         freqs = pos[..., None] * inv_freq  # (S, B, D/2)
         return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # (S, B, 1, D), non-interleaved halves
 
+    def _pad_for_sequence_parallel(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Pad the sequence to a multiple of TP (sequence parallelism splits it evenly).
+
+        Pads go at the end, so causality hides them from every real token; in a
+        tree mask they form their own node (id above every real one).
+        """
+        tp = self.config.tensor_model_parallel_size
+        pad = (-input_ids.shape[1]) % tp if self.config.sequence_parallel else 0
+        if pad == 0:
+            return input_ids, position_ids, attention_mask
+        input_ids = F.pad(input_ids, (0, pad))
+        position_ids = F.pad(position_ids, (0, pad))
+        if attention_mask is not None:
+            pad_node = attention_mask[1].max() + 1  # (); a device scalar, no host sync
+            tail = pad_node.expand(2, attention_mask.shape[1], pad)
+            attention_mask = torch.cat((attention_mask, tail), dim=2)
+        return input_ids, position_ids, attention_mask
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -198,6 +219,10 @@ class TreeGPTModel(GPTModel):
     ) -> torch.Tensor:
         if any(v is not None for v in unsupported.values()):
             raise ValueError(f"TreeGPTModel.forward does not support {sorted(unsupported)}")
+        seq_len = input_ids.shape[1]
+        input_ids, position_ids, attention_mask = self._pad_for_sequence_parallel(
+            input_ids, position_ids, attention_mask
+        )
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # (S[/tp], B, H)
         hidden = self.decoder(
@@ -212,9 +237,10 @@ class TreeGPTModel(GPTModel):
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(
                     hidden, tensor_parallel_output_grad=True, group=self.pg_collection.tp
                 )
-            return hidden  # (S, B, H)
+            return hidden[:seq_len]  # (S, B, H)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden, weight=weight)  # (S, B, V/tp)
+        logits, _ = self.output_layer(hidden, weight=weight)  # (S_pad, B, V/tp)
+        logits = logits[:seq_len]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # (B, S, V/tp)
         return self.compute_language_model_loss(labels, logits)  # (B, S)

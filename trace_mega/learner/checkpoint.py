@@ -1,0 +1,141 @@
+"""Resumable training checkpoints with megatron `dist_checkpointing`.
+
+Layout under the checkpoint root:
+
+    step_00000010/            one checkpoint (megatron dist_checkpointing dir)
+        trainer_state.json    step, data cursor and any caller fields (JSON)
+        rng/rank_00003.pt     this rank's torch + megatron-tracker RNG states
+    latest                    text file: the name of the newest complete checkpoint
+
+Model and optimizer state are sharded tensors (TP / PP / EP / DP layout
+recorded by megatron), the LR scheduler a common (replicated) entry. Saving is
+atomic: everything is written to `.tmp-step_XXXXXXXX`, renamed once all ranks
+finished, and only then is `latest` replaced (os.replace), so a crash leaves
+the previous checkpoint as `latest`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from trace_mega.learner.models import unwrap
+from trace_mega.learner.parallel import ParallelGroups
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_name"]
+
+_STATE_FILE = "trainer_state.json"
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint at `step`."""
+    return f"step_{step:08d}"
+
+
+def _sharded_state(chunks: list[torch.nn.Module], optimizer: MegatronOptimizer, is_loading: bool) -> dict:
+    if len(chunks) != 1:
+        raise ValueError("checkpointing supports one model chunk per rank (no virtual pipeline)")
+    model_sd = unwrap(chunks[0]).sharded_state_dict()
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    random.setstate(state["python"])
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    chunks: list[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: Optional[OptimizerParamScheduler],
+    groups: ParallelGroups,
+    trainer_state: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Save model, optimizer, scheduler, RNG and `trainer_state` (JSON-able) at `step`. Collective."""
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}"
+    if groups.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(chunks, optimizer, is_loading=False)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(state, str(tmp))
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{groups.rank:05d}.pt")
+    if groups.rank == 0:
+        meta = {"step": step, "world_size": groups.world_size, **(trainer_state or {})}
+        (tmp / _STATE_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    dist.barrier()
+    if groups.rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        latest_tmp = root / "latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
+    """The newest complete checkpoint under `root` (per `latest`, else the highest step dir), or None."""
+    root = Path(root)
+    latest = root / "latest"
+    if latest.exists():
+        path = root / latest.read_text().strip()
+        if (path / _STATE_FILE).exists():
+            return path
+    done = sorted(p for p in root.glob("step_*") if (p / _STATE_FILE).exists())
+    return done[-1] if done else None
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    chunks: list[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: Optional[OptimizerParamScheduler],
+    groups: ParallelGroups,
+) -> dict[str, Any]:
+    """Restore everything `save_checkpoint` wrote; returns the trainer state (step, cursor, ...). Collective.
+
+    RNG states are restored when the world size matches the saving run's
+    (they are per rank); a different parallel layout still restores model,
+    optimizer and scheduler (megatron reshards them).
+    """
+    path = Path(path)
+    meta = json.loads((path / _STATE_FILE).read_text())
+    state = _sharded_state(chunks, optimizer, is_loading=True)
+    # Non-sharded ("common") entries such as the scheduler come back as saved.
+    loaded = dist_checkpointing.load(state, str(path))
+    unwrap(chunks[0]).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    rng_file = path / "rng" / f"rank_{groups.rank:05d}.pt"
+    if meta["world_size"] == groups.world_size and rng_file.exists():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return meta

@@ -1,0 +1,239 @@
+"""`Learner`: the trainer's one view of the Megatron-Core policy and its frozen reference.
+
+It owns the parallel state, the policy (megatron DDP + optimizer + LR
+schedule), the frozen reference (a copy of the initial policy, built only when
+the KL term or TRACE-C needs it), and exposes what the step loop needs:
+
+* `hidden_states(packed)` — policy final hidden states of a packed batch, for
+  the predictor's value head (one forward, no grad);
+* `probe(trees, tokenize, template)` — TRACE-C's ℓ̄ at every tool boundary from
+  the reference (one packed forward per group of trees);
+* `train_step(trees, packed)` — one optimiser step on packed micro-batches of
+  whole trees, with the advantages already stored in `packed`;
+* `export_weights()` — HF-named full tensors (the in-memory weight sync to
+  rollout engines); `save` / `load` — megatron dist checkpoints.
+
+Micro-batches hold whole trees (so every group-relative quantity is local to
+one micro-batch) and are split over data-parallel ranks; each is padded to a
+multiple of the TP size with one padding node that attends only to itself and
+carries no loss. One policy update per batch of rollouts (on-policy): the PPO
+ratio is taken against the learner's own detached log-probs, so it is 1 in
+value and its gradient is the policy gradient; the engine's behaviour
+log-probs stay on the tree and their mismatch with the learner's is logged.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from trace_mega.config import TrainConfig
+from trace_mega.learner.attention import tree_attention_mask
+from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trace_mega.learner.convert import export_hf, load_hf_into
+from trace_mega.learner.logprobs import packed_token_logprobs
+from trace_mega.learner.losses import compute_loss, unit_count
+from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight, unwrap
+from trace_mega.learner.optim import build_optimizer, train_step, wrap_ddp
+from trace_mega.learner.parallel import ParallelGroups, init_parallel
+from trace_mega.learner.probe import ProbeResult, megatron_packed_forward, reference_probe
+from trace_mega.rollout.tree import PackedTrees, RolloutTree, pack
+
+# The unit each loss aggregates over when LossConfig.aggregation is None (losses.py).
+_LOSS_UNIT = {"dapo": "token_mean", "gspo": "sequence_mean"}
+
+
+def loss_unit(cfg) -> str:
+    return _LOSS_UNIT.get(cfg.name, cfg.aggregation or "token_mean")
+
+
+def resolve_model_config(cfg: TrainConfig):
+    """The `ModelConfig` in force: from the HF checkpoint's config.json when one is given."""
+    if cfg.model.hf_checkpoint is None:
+        return cfg.model
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
+    return model_config_from_hf(hf, params_dtype=cfg.model.params_dtype, attention_backend=cfg.model.attention_backend)
+
+
+def hf_config(model_cfg) -> Any:
+    """A transformers config describing the same network (the rollout engines' view of the policy)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.ffn_hidden_size, num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads, num_key_value_heads=model_cfg.num_query_groups,
+        head_dim=model_cfg.head_dim, max_position_embeddings=model_cfg.max_position_embeddings,
+        rms_norm_eps=model_cfg.norm_epsilon, tie_word_embeddings=model_cfg.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(model_cfg.rotary_base)},
+        attention_bias=False, torch_dtype="float32",
+    )
+    if not model_cfg.qk_layernorm:
+        raise ValueError("the rollout engines' HF view is Qwen3 (q/k-norm); set model.qk_layernorm: true")
+    if model_cfg.num_experts:
+        return Qwen3MoeConfig(num_experts=model_cfg.num_experts, num_experts_per_tok=model_cfg.moe_router_topk,
+                              moe_intermediate_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
+                              norm_topk_prob=True, **common)
+    return Qwen3Config(**common)
+
+
+class Learner:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.groups: ParallelGroups = init_parallel(cfg.parallel, seed=cfg.seed)
+        g = self.groups
+        self.model_cfg = resolve_model_config(cfg)
+        if g.pp_size > 1:
+            raise ValueError("parallel.pipeline_model_parallel_size > 1: the trainer's predictor / probe passes "
+                             "run on PP = 1 (the learner's train_step itself supports PP; see docs/learner.md)")
+        policy = build_model(self.model_cfg, cfg.parallel, g.pgs, g.device, g.pp_rank, g.pp_size)
+        if cfg.model.hf_checkpoint:
+            load_hf_into(policy, cfg.model.hf_checkpoint, g)
+        self.chunks = [wrap_ddp(policy, cfg.parallel, g)]
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, cfg.optim, cfg.parallel, g)
+        self.reference = None
+        if cfg.loss.kl_coef > 0 or cfg.credit.enabled:
+            self.reference = build_model(self.model_cfg, cfg.parallel, g.pgs, g.device, g.pp_rank, g.pp_size)
+            self.reference.load_state_dict(policy.state_dict())
+            self.reference.requires_grad_(False).eval()
+
+    # --- views ---------------------------------------------------------------------
+    @property
+    def policy(self) -> torch.nn.Module:
+        return unwrap(self.chunks[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model_cfg.hidden_size
+
+    def _vocab_start(self, net: torch.nn.Module) -> int:
+        return self.groups.tp_rank * output_weight(net).shape[0]
+
+    def _inputs(self, packed: PackedTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(1, Tp) ids and positions and the (2, 1, Tp) tree mask, padded to a multiple of the TP size."""
+        T, N = packed.num_tokens, packed.num_nodes
+        pad = (-T) % self.groups.tp_size
+        dev = self.groups.device
+        tokens = torch.cat([packed.tokens, packed.tokens.new_zeros(pad)])
+        positions = torch.cat([packed.position_ids, torch.arange(pad)])
+        # Padding is one extra node N: it sees only itself, nothing sees it.
+        node = torch.cat([packed.token_node, torch.full((pad,), N)])
+        node_exit = torch.cat([packed.token_node_exit, torch.full((pad,), N)])
+        mask = tree_attention_mask(node.to(dev), node_exit.to(dev))
+        return tokens[None].to(dev), positions[None].to(dev), mask
+
+    @torch.no_grad()
+    def hidden_states(self, packed: PackedTrees) -> torch.Tensor:
+        """(T, H) policy hidden states after the final norm (no grad)."""
+        ids, pos, mask = self._inputs(packed)
+        return forward_packed(self.policy, ids, pos, mask, output="hidden")[0, : packed.num_tokens]
+
+    @torch.no_grad()
+    def _reference_logprobs(self, packed: PackedTrees) -> torch.Tensor:
+        ids, pos, mask = self._inputs(packed)
+        hidden = forward_packed(self.reference, ids, pos, mask, output="hidden")[0, : packed.num_tokens]
+        return packed_token_logprobs(hidden, output_weight(self.reference), packed, tp_group=self.groups.pgs.tp,
+                                     vocab_start=self._vocab_start(self.reference))
+
+    @torch.no_grad()
+    def probe(self, trees: Sequence[RolloutTree], tokenize: Callable[[str], list[int]], template: str) -> ProbeResult:
+        """TRACE-C: ℓ̄ of the gold answer at every boundary of every tree, from the frozen reference."""
+        if self.reference is None:
+            raise RuntimeError("no reference model: TRACE-C needs credit.enabled at construction")
+        return reference_probe(
+            megatron_packed_forward(self.reference), trees, tokenize, template,
+            output_weight=output_weight(self.reference), tp_group=self.groups.pgs.tp,
+            vocab_start=self._vocab_start(self.reference), max_tokens=self.cfg.parallel.micro_batch_tokens,
+        )
+
+    # --- training ------------------------------------------------------------------
+    def _micro_batches(self, trees: Sequence[RolloutTree], packed: PackedTrees) -> list[PackedTrees]:
+        """This DP rank's micro-batches of whole trees, advantages sliced from `packed`.
+
+        Trees are placed largest first into dp * n bins (n = micro-batches per
+        rank, from the token budget) by least load; rank r takes bins r::dp so
+        every rank runs the same number of micro-batches.
+        """
+        g = self.groups
+        node_off = packed.tree_node_offset
+        start = packed.node_start[node_off[:-1]]
+        end = torch.cat([start[1:], torch.tensor([packed.num_tokens])])
+        sizes = (end - start).tolist()
+        n = max(1, math.ceil(sum(sizes) / (g.dp_size * self.cfg.parallel.micro_batch_tokens)))
+        bins: list[list[int]] = [[] for _ in range(g.dp_size * n)]
+        load = [0] * len(bins)
+        for i in sorted(range(len(trees)), key=lambda i: -sizes[i]):
+            b = min(range(len(bins)), key=lambda b: load[b])
+            bins[b].append(i)
+            load[b] += sizes[i]
+        out = []
+        for b in bins[g.dp_rank:: g.dp_size]:
+            b.sort()
+            mb = pack([trees[i] for i in b])
+            idx = torch.cat([torch.arange(start[i], end[i]) for i in b]) if b else torch.zeros(0, dtype=torch.long)
+            mb.advantages = packed.advantages[idx]
+            mb.token_weight = packed.token_weight[idx]
+            out.append(mb)
+        return out
+
+    def train_step(self, trees: Sequence[RolloutTree], packed: PackedTrees) -> dict[str, float]:
+        """One optimiser step over `trees` (whose pack `packed` carries the advantages)."""
+        if packed.advantages is None:
+            raise ValueError("run an advantage estimator on `packed` first")
+        unit = loss_unit(self.cfg.loss)
+        batches = []
+        for mb in self._micro_batches(trees, packed):
+            ids, pos, mask = self._inputs(mb)
+            batch = {"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb}
+            if self.reference is not None and self.cfg.loss.kl_coef > 0:
+                batch["ref_logprobs"] = self._reference_logprobs(mb)
+            batches.append(batch)
+        raw = train_step(self.chunks, self.optimizer, self.scheduler, batches, self._loss_fn(unit),
+                         self.groups, output="hidden")
+        units = max(raw.pop("num_tokens"), 1e-12)
+        out = {"loss/total": raw.pop("loss_sum") / units, "loss/grad_norm": raw.pop("grad_norm"),
+               "loss/lr": raw.pop("lr"), "loss/skipped": raw.pop("skipped"), "loss/units": units}
+        raw.pop("loss", None)
+        mask_tokens = max(raw.pop("mask_tokens"), 1.0)
+        out["loss/logprob_mismatch"] = raw.pop("mismatch_sum") / mask_tokens
+        for k, v in raw.items():  # unit-weighted sums of the loss metrics
+            out[f"loss/{k.removesuffix('_sum')}"] = v / units
+        return out
+
+    def _loss_fn(self, unit: str):
+        cfg, g = self.cfg.loss, self.groups
+
+        def loss_fn(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            mb: PackedTrees = batch["packed"]
+            h = hidden[0, : mb.num_tokens]  # (T, H)
+            lp, ent = packed_token_logprobs(h, output_weight(self.chunks[0]), mb, tp_group=g.pgs.tp,
+                                            vocab_start=self._vocab_start(self.chunks[0]), with_entropy=True)
+            out = compute_loss(lp, mb, cfg, old_logprobs=lp.detach(), ref_logprobs=batch.get("ref_logprobs"),
+                               entropy=ent)
+            units = unit_count(mb, unit).to(lp)
+            mask = mb.loss_mask.to(lp.device)
+            metrics = {f"{k}_sum": v.detach().float() * units for k, v in out.metrics.items()}
+            metrics["mismatch_sum"] = ((lp.detach() - mb.behaviour_logprobs.to(lp)).abs() * mask).sum()
+            metrics["mask_tokens"] = mask.sum().float()
+            return out.loss * units, units, metrics
+
+        return loss_fn
+
+    # --- weights and checkpoints -----------------------------------------------------
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of the policy (collective over TP/EP: every rank must iterate)."""
+        return export_hf(self.chunks[0], self.groups)
+
+    def save(self, root: str | Path, step: int, trainer_state: dict[str, Any]) -> Path:
+        return save_checkpoint(root, step, self.chunks, self.optimizer, self.scheduler, self.groups, trainer_state)
+
+    def load_latest(self, root: str | Path) -> Optional[dict[str, Any]]:
+        """Restore the newest checkpoint under `root`; returns its trainer state, or None if there is none."""
+        path = latest_checkpoint(root) if Path(root).exists() else None
+        if path is None:
+            return None
+        return load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, self.groups)

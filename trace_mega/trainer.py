@@ -81,6 +81,7 @@ class Trainer:
                 roots = [RolloutTree(t.task_id, self.scaffold.prompt_ids(t)) for t in tasks]
                 v_root = self._score(pack(roots), None)                                                # 2
                 m = allocator.plan_roots(v_root, gen)                                                  # 3
+                self.env.reseed(cfg.seed * 1_000_003 + step)
                 with timer("rollout"):                                                                  # 4
                     trees = share_trees(self.agent.rollout(tasks, m.tolist(), seed=2 * step) if self.is_main else None)
                 bare = pack(trees)

@@ -96,6 +96,10 @@ class Env(ABC):
         """An independent copy of `state` to branch a continuation from."""
         return copy.deepcopy(state)
 
+    def reseed(self, seed: int) -> None:
+        """Reset the environment's own randomness (the trainer calls it every step, so a
+        resumed run replays the same episodes). Deterministic environments ignore it."""
+
     def close(self) -> None:
         """Release resources (worker processes, indices)."""
 

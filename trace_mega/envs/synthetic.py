@@ -79,6 +79,9 @@ class _SeededEnv(Env):
         """Engine stop ids: every one-token action and the end-of-turn token."""
         return ReactScaffold(self.tokenizer).stop_token_ids
 
+    def reseed(self, seed: int) -> None:
+        self._master = random.Random(seed)
+
     def _new_rng(self) -> random.Random:
         return random.Random(self._master.getrandbits(64))
 

@@ -1,0 +1,163 @@
+"""multihop_qa: shipped data is multi-hop, BM25 search tool, loaders, EM/F1, dense-path errors."""
+import json
+import sys
+
+import pytest
+
+from trace_mega.envs import build_env
+from trace_mega.envs.base import ToolCall
+from trace_mega.envs.multihop_qa import (
+    DATA,
+    DenseRetriever,
+    MultiHopQAEnv,
+    Passage,
+    corpus_from_tasks,
+    detect_format,
+    exact_match,
+    f1_score,
+    load_corpus,
+    load_qa,
+    normalize_answer,
+)
+
+
+@pytest.fixture(scope="module")
+def env():
+    return build_env("multihop_qa")
+
+
+def _by_title():
+    return {p.title: p for p in load_corpus(DATA / "corpus.jsonl")}
+
+
+def test_shipped_data_is_multi_hop_by_construction(env):
+    passages = _by_title()
+    tasks = env.tasks("train")
+    bridges = [t for t in tasks if t.meta["type"] == "bridge"]
+    comparisons = [t for t in tasks if t.meta["type"] == "comparison"]
+    assert 40 <= len(passages) <= 80 and len(bridges) >= 15 and len(comparisons) >= 5
+    for t in bridges:
+        question = t.messages[-1]["content"]
+        first, second = (passages[s] for s in t.meta["supporting_titles"])
+        answer = normalize_answer(t.gold_answer)
+        assert second.title.lower() in first.text.lower(), t.task_id      # the bridge entity
+        assert second.title.lower() not in question.lower(), t.task_id    # ... is not named
+        assert answer not in normalize_answer(first.text), t.task_id      # first hop lacks it
+        assert answer in normalize_answer(second.text), t.task_id         # second hop has it
+    for t in comparisons:
+        a, b = (passages[s] for s in t.meta["supporting_titles"])
+        assert a.title.split()[-1] in t.messages[-1]["content"] and b.title.split()[-1] in t.messages[-1]["content"]
+
+
+def test_search_finds_each_hop(env):
+    passages = _by_title()
+    for t in env.tasks():
+        first, second = t.meta["supporting_titles"]
+        hits = [p.title for p, _ in env.retriever.search(t.messages[-1]["content"], 3)]
+        assert first in hits or t.meta["type"] == "comparison" and second in hits, (t.task_id, hits)
+        assert second in [p.title for p, _ in env.retriever.search(passages[second].title, 3)]
+
+
+def test_search_tool_observation(env):
+    state = env.reset(env.tasks()[0])
+    obs = env.step(state, ToolCall("search", {"query": "Halvard lamp", "k": 2}))
+    lines = obs.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[1] Halvard lamp: ")
+    assert "Oskar Brenn" in lines[0]
+    assert env.step(state, ToolCall("search", {"query": "the of and"})) == "No passages found."
+    assert "non-empty" in env.step(state, ToolCall("search", {"query": ""}))
+    assert "positive integer" in env.step(state, ToolCall("search", {"query": "x", "k": 0}))
+    assert "unknown tool" in env.step(state, ToolCall("lookup", {"query": "x"}))
+    many = env.step(state, ToolCall("search", {"query": "river town province city", "k": 50}))
+    assert len(many.splitlines()) <= env.max_k
+    short = MultiHopQAEnv(passage_chars=40)
+    first = short.step(short.reset(short.tasks()[0]), ToolCall("search", {"query": "Halvard lamp", "k": 1}))
+    assert first.endswith("...") and len(first) < 40 + 30
+    tool = env.tasks()[0].tools[0]["function"]
+    assert tool["name"] == "search" and tool["parameters"]["required"] == ["query"]
+
+
+def test_reward_em_and_f1(env):
+    task = next(t for t in env.tasks() if t.gold_answer == "Grauberg Hills")
+    state = env.reset(task)
+    assert env.reward(state, "the Grauberg Hills.") == 1.0
+    assert env.reward(state, "Grauberg") == 0.0 and env.reward(state, None) == 0.0
+    f1 = MultiHopQAEnv(metric="f1")
+    assert f1.reward(state, "Grauberg") == pytest.approx(2 / 3)
+    alias = next(t for t in env.tasks() if t.gold_answer == "31,200")
+    assert env.reward(env.reset(alias), "31200") == 1.0
+
+
+def test_squad_normalisation_and_metrics():
+    assert normalize_answer("The  Quick, Brown fox!") == "quick brown fox"
+    assert exact_match("an apple", ["Apple"]) == 1.0 and exact_match("apples", ["apple"]) == 0.0
+    assert f1_score("quick brown dog", ["the quick brown fox"]) == pytest.approx(2 / 3)
+    assert f1_score("x", ["y", "x z"]) == pytest.approx(2 / 3) and f1_score("", ["a"]) == 0.0
+
+
+def _write(path, rows, jsonl=True):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) if jsonl else json.dumps(rows))
+    return str(path)
+
+
+def test_hotpotqa_and_2wiki_loaders(tmp_path):
+    context = [["Alpha", ["Alpha is a town.", " It lies on the Beta."]], ["Beta", ["Beta is a river."]]]
+    hotpot = _write(tmp_path / "hotpot.json", [{
+        "_id": "5a8b", "question": "Which river?", "answer": "Beta", "type": "bridge", "level": "hard",
+        "supporting_facts": [["Alpha", 1], ["Beta", 0]], "context": context}], jsonl=False)
+    (t,) = load_qa(hotpot)
+    assert (t.task_id, t.gold_answer, t.meta["dataset"], t.meta["level"]) == ("5a8b", "Beta", "hotpotqa", "hard")
+    assert t.meta["supporting_titles"] == ["Alpha", "Beta"]
+    assert t.meta["context"][0] == {"title": "Alpha", "text": "Alpha is a town. It lies on the Beta."}
+    wiki = _write(tmp_path / "2wiki.json", [{
+        "_id": "w1", "question": "Who?", "answer": "Gamma", "type": "compositional",
+        "supporting_facts": [["Alpha", 0]], "context": context, "evidences": [["Alpha", "river", "Beta"]]}],
+        jsonl=False)
+    (w,) = load_qa(wiki)
+    assert w.meta["dataset"] == "2wikimultihopqa" and w.meta["evidences"] == [["Alpha", "river", "Beta"]]
+    corpus = corpus_from_tasks([t, w])
+    assert sorted(p.title for p in corpus) == ["Alpha", "Beta"]
+
+
+def test_musique_bamboogle_flashrag_loaders(tmp_path):
+    musique = _write(tmp_path / "musique.jsonl", [{
+        "id": "2hop__1", "question": "Q?", "answer": "Delta", "answer_aliases": ["D."], "answerable": True,
+        "paragraphs": [{"idx": 0, "title": "T0", "paragraph_text": "Delta text", "is_supporting": True},
+                       {"idx": 1, "title": "T1", "paragraph_text": "noise", "is_supporting": False}]}])
+    (m,) = load_qa(musique)
+    assert m.meta["answers"] == ["Delta", "D."] and m.meta["supporting_titles"] == ["T0"]
+    state_env = MultiHopQAEnv(train_path=musique, corpus="context")
+    state = state_env.reset(state_env.tasks("train")[0])
+    assert state_env.reward(state, "d") == 1.0
+    assert "Delta text" in state_env.step(state, ToolCall("search", {"query": "delta"}))
+    bamboo = _write(tmp_path / "bamboogle.json", [{"Question": "Who?", "Answer": "Epsilon"}], jsonl=False)
+    (b,) = load_qa(bamboo)
+    assert (b.task_id, b.gold_answer, b.meta["dataset"]) == ("bamboogle-0", "Epsilon", "bamboogle")
+    flash = _write(tmp_path / "nq.jsonl", [{"id": "test_0", "question": "q", "golden_answers": ["x", "y"]}])
+    assert load_qa(flash)[0].meta["answers"] == ["x", "y"]
+    with pytest.raises(ValueError, match="unrecognised"):
+        detect_format({"prompt": "x"})
+    with pytest.raises(ValueError, match="no answer"):
+        load_qa(_write(tmp_path / "empty.jsonl", [{"question": "q", "golden_answers": []}]))
+
+
+def test_flashrag_corpus_layout(tmp_path):
+    path = _write(tmp_path / "wiki.jsonl", [{"id": "0", "contents": "\"Zeta\"\nZeta is a letter."}])
+    assert load_corpus(path) == [Passage("0", "Zeta", "Zeta is a letter.")]
+
+
+def test_dense_retrieval_fails_clearly_without_its_packages(monkeypatch):
+    monkeypatch.setitem(sys.modules, "faiss", None)
+    with pytest.raises(ImportError, match="faiss"):
+        DenseRetriever([Passage("0", "a", "b")])
+    env = MultiHopQAEnv(retriever="e5")
+    with pytest.raises(ImportError, match="faiss"):
+        env.step(env.reset(env.tasks()[0]), ToolCall("search", {"query": "x"}))
+
+
+def test_bad_options():
+    for kwargs in ({"metric": "bleu"}, {"retriever": "tfidf"}, {"corpus": "web"}):
+        with pytest.raises(ValueError):
+            MultiHopQAEnv(**kwargs)
+    with pytest.raises(ValueError, match="unknown QA format"):
+        load_qa(str(DATA / "questions.jsonl"), "squad")

@@ -10,8 +10,9 @@ work avoided by packing:
   attention over every flattened path;
 * tiles: (query tile, key tile) pairs the kernel visits vs the causal tile
   pairs of the packed stream (``skipped %`` = tiles dropped by the
-  node-range test), and the FLOPs the kernel actually executes (visited
-  tiles x BM*BN, masked entries included);
+  node-range test), how many visited tiles need no mask at all (every key
+  visible to every query), and the FLOPs the kernel actually executes
+  (visited tiles x BM*BN, masked entries included);
 * a correctness spot-check of the Triton kernel (under the interpreter on
   CPU) against the SDPA reference and the flex_attention peer, on a small
   scenario.
@@ -135,6 +136,7 @@ def work_stats(spec: TreeSpec, seed: int = 0) -> tuple[dict, object]:
         "tile_block": [bm, bn],
         "tiles_causal": tiles["causal"],
         "tiles_visited": tiles["visited"],
+        "tiles_unmasked": tiles["unmasked"],
         "tiles_skipped_frac": tiles["skipped_frac"],
         "fwd_gflop_kernel_executed": tiles["visited"] * bm * bn * per_pair / 1e9,
     }
@@ -263,7 +265,7 @@ def main(argv=None) -> dict:
         ("fwd_gflop_packed_dense_causal", "GF causal", ".1f"),
         ("fwd_gflop_kernel_executed", "GF executed", ".1f"),
         ("tiles_causal", "tiles causal", "d"), ("tiles_visited", "tiles run", "d"),
-        ("tiles_skipped_frac", "skipped", ".1%"),
+        ("tiles_unmasked", "unmasked", "d"), ("tiles_skipped_frac", "skipped", ".1%"),
     ])
     spot = spot_check(args.seed, SPOT_QUICK if args.quick else SPOT)
     print(f"\nSpot-check ({spot['tokens']} tokens, {spot['heads']}, D={spot['head_dim']}, fp32, "

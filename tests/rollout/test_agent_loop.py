@@ -357,3 +357,27 @@ def test_real_torch_engine_end_to_end_logprobs_match_recompute():
                     assert abs(float(ref[i - 1]) - lps[i]) < 1e-4
                     checked.add((ti, *owner[i]))
     assert len(checked) == loop.stats.generated_tokens  # every generated token, each once
+
+
+def test_compression_ratio_agent_loop_batch():
+    """8 prompts x 8 bare rollouts x 4 continuations each, 6-turn `synthetic` episodes, tiny vocabulary."""
+    import random
+
+    env = SyntheticEnv(num_tasks=8, num_bits=5, seed=0)
+    tok = env.tokenizer
+    reveal, done = tok.convert_tokens_to_ids(REVEAL), tok.convert_tokens_to_ids(ANSWER_DONE)
+    engine = ScriptedEngine(lambda prefix, rng: [reveal] if turns_done(tok, prefix) < 5 else [done])
+    loop = AgentLoop(env, engine, tok, cfg())
+    trees = loop.rollout(env.tasks(), [8] * 8, seed=0)
+    rng = random.Random(0)
+    picks = []
+    for ti, tree in enumerate(trees):
+        for path in tree.paths():
+            assert len(path) == 7  # prompt + 6 turns
+            picks += [(ti, rng.choice(path[1:6]), 1) for _ in range(4)]
+    loop.expand(trees, picks, seed=1)
+    p = pack(trees)
+    assert p.leaf_nodes.numel() == 8 * 8 * 5
+    print(f"\nagent-loop batch: {p.leaf_nodes.numel()} trajectories, packed {p.num_tokens} tokens, "
+          f"flattened {p.flattened_num_tokens()} tokens, compression {p.compression_ratio():.2f}x")
+    assert p.compression_ratio() > 2.0

@@ -456,6 +456,8 @@ def _forward(q, k, v, tn, te, scale, bm, bn, warps, stages):
     Hkv = k.shape[2]
     o = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)  # (B, T, Hq, D)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)  # base-2 log-sum-exp
+    if o.numel() == 0:  # nothing to launch (B, T, H or D is 0)
+        return o, lse
     k_stats = _tile_stats(tn, te, bn)  # (B, nK, 5)
     grid = (triton.cdiv(T, bm), B * Hq)
     _tree_attn_fwd[grid](
@@ -481,6 +483,8 @@ def _backward(do, q, k, v, o, lse, tn, te, scale, bm, bn, warps, stages, need_dq
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, UPCAST=_INTERPRET,
                   PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
     dq = dk = dv = None
+    if q.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if need_dkv:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)

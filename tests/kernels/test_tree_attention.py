@@ -372,6 +372,14 @@ def test_input_validation():
         tree_attention_tiled(q, k, v, tn, te, block_m=24)
 
 
+@pytest.mark.parametrize("b,t", [(1, 0), (0, 5)])
+def test_empty_inputs(b, t):
+    tn = torch.zeros(b, t, dtype=torch.long)
+    q, k, v, do = _qkv(b, t, 2, 1, 16)
+    o, dq, dk, dv = _fwd_bwd(tree_attention, q, k, v, do, tn, tn)
+    assert o.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
 def test_cpu_without_interpreter_falls_back_to_reference(monkeypatch):
     monkeypatch.setattr(ta, "_INTERPRET", False)
     monkeypatch.setattr(ta, "_warned_fallback", False)

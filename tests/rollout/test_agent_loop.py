@@ -204,7 +204,7 @@ class HangingEnv(SyntheticToolsEnv):
 def test_hanging_tool_becomes_timeout_observation():
     env = HangingEnv()
     tok = env.tokenizer
-    loop = AgentLoop(env, ScriptedEngine(oracle(tok, thought=())), tok, cfg(), tool_timeout_s=0.2, tool_workers=2)
+    loop = AgentLoop(env, ScriptedEngine(oracle(tok, thought=())), tok, cfg(), tool_timeout_s=0.5, tool_workers=2)
     task = next(t for t in icefree(env) if t.meta["start"] == 0 and t.meta["goal"] == 2)
     try:
         (tree,) = loop.rollout([task], [1], seed=0)
@@ -212,7 +212,7 @@ def test_hanging_tool_becomes_timeout_observation():
         env.release.set()
     path = tree.path(tree.leaves()[0])
     first = tree.nodes[path[1]]
-    assert first.info["tool_timeout"] and "timed out after 0.2 s" in first.observation
+    assert first.info["tool_timeout"] and "timed out after 0.5 s" in first.observation
     assert tree.runtime["states"][path[1]].data["pos"] == 0  # the timed-out call had no effect
     assert tree.nodes[path[-1]].reward == 1.0  # retried and reached the goal
     assert [tree.nodes[n].observation for n in path[2:-1]] == ["at 1", "at 2"]

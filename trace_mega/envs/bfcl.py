@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import decimal
 import importlib
 import inspect
 import json
@@ -358,9 +359,10 @@ def official_check(entry: dict, turn_calls: list[list[str]]) -> dict:
     model_name = f"trace_mega_{uuid.uuid4().hex}"
     decoded = [[[c] for c in calls] for calls in turn_calls]
     try:
-        return checker.multi_turn_checker(
-            decoded, entry["ground_truth"], entry, entry["id"].rsplit("_", 1)[0], model_name
-        )
+        with decimal.localcontext():  # MathAPI.square_root sets the thread's decimal precision
+            return checker.multi_turn_checker(
+                decoded, entry["ground_truth"], entry, entry["id"].rsplit("_", 1)[0], model_name
+            )
     except AssertionError as err:  # the checker asserts on mismatched instance sets
         return {"valid": False, "error_message": str(err)}
     finally:
@@ -387,8 +389,36 @@ def replay(env: BFCLMultiTurnEnv, task: Task, turns: list[list[ToolCall]]) -> fl
     return env.reward(state, "done")
 
 
+def _altered(value: Any) -> Any:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 7
+    if isinstance(value, str):
+        return value + "_x"
+    if isinstance(value, (list, tuple)):
+        return list(value[:-1]) if value else ["x"]
+    return {}
+
+
+def corrupt(turns: list[list[ToolCall]], mode: str) -> list[list[ToolCall]]:
+    """A copy of a call sequence with its last call dropped ("drop") or the first argument
+    of the last call that has arguments altered ("alter")."""
+    turns = copy.deepcopy(turns)
+    if mode == "drop":
+        last = max(i for i, calls in enumerate(turns) if calls)
+        del turns[last][-1]
+    elif mode == "alter":
+        call = next(c for calls in reversed(turns) for c in reversed(calls) if c.arguments)
+        key = next(iter(call.arguments))
+        call.arguments[key] = _altered(call.arguments[key])
+    else:
+        raise ValueError(f"mode must be 'drop' or 'alter', not {mode!r}")
+    return turns
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    """`python -m trace_mega.envs.bfcl [categories...]`: full ground-truth replay counts."""
+    """Replay every task's ground truth, and two corruptions of it, per category."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -397,10 +427,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     for category in args.categories:
         env = BFCLMultiTurnEnv(categories=(category,))
         tasks = env.tasks("test")
-        scores = [replay(env, t, ground_truth_calls(t)) for t in tasks]
-        failed = [t.task_id for t, s in zip(tasks, scores) if s != 1.0]
-        print(f"{category}: {int(sum(scores))}/{len(tasks)} ground-truth replays score 1; "
-              f"failed: {failed}")
+        gold = {t.task_id: ground_truth_calls(t) for t in tasks}
+        failed = [t.task_id for t in tasks if replay(env, t, gold[t.task_id]) != 1.0]
+        line = f"{category}: ground truth scores 1 on {len(tasks) - len(failed)}/{len(tasks)}"
+        for mode in ("drop", "alter"):
+            passed = [t.task_id for t in tasks if replay(env, t, corrupt(gold[t.task_id], mode)) != 0.0]
+            line += f"; {mode} scores 0 on {len(tasks) - len(passed)}/{len(tasks)} (still 1: {passed})"
+        print(line + (f"; ground-truth failures: {failed}" if failed else ""))
 
 
 if __name__ == "__main__":

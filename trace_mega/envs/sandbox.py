@@ -294,3 +294,41 @@ def _kill_group(pid: int) -> None:
     except ProcessLookupError:
         pass
 
+
+
+ATTACKS = {
+    "infinite loop": "while True:\n    pass",
+    "sleep past the wall limit": "import time\ntime.sleep(3600)",
+    "fork bomb (os.fork)": "import os\nwhile True:\n    os.fork()",
+    "fork bomb (shell)": "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])",
+    "memory bomb": "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 ** 2))",
+    "write outside the directory": "open('/tmp/trace_sandbox_escape.txt', 'w').write('x')",
+    "open a socket": "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)",
+    "100 MB of output": "import sys\nsys.stdout.write('x' * 100_000_000)",
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """`python -m trace_mega.envs.sandbox [--isolation auto|none]`: run `ATTACKS` (all at
+    once, beside a plain call) and print what each produced."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "none"])
+    args = parser.parse_args(argv)
+    box = Sandbox(isolation=args.isolation, max_workers=len(ATTACKS) + 1)
+    names = [*ATTACKS, "plain call (concurrent)"]
+    codes = [*ATTACKS.values(), "print(sum(range(10 ** 6)))"]
+    start = time.monotonic()
+    results = box.run_many(codes)
+    print(f"isolation: {'namespaces' if box.use_namespaces else 'rlimits + audit hook'}; "
+          f"limits: {box.limits}; all {len(codes)} calls together: {time.monotonic() - start:.1f} s")
+    print("| attack | status | exit | wall s | last line of the observation |\n|---|---|---|---|---|")
+    for name, res in zip(names, results):
+        last = res.observation().strip().splitlines()[-1][:90].replace("|", "\\|")
+        print(f"| {name} | {res.status} | {res.exit_code} | {res.wall_s:.2f} | {last} |")
+    box.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -6,10 +6,14 @@ Two primitives carry all the per-element work of `trace_mega.allocation`:
   root problem and its top-`budget` selection (the Lagrangian / concave-envelope
   relaxation). One stable sort over `B * max_rollouts` units, no host sync.
 * `segmented_threshold(flip, group, budget, cap)` — per-group exact top-`budget[g]`
-  selection over the geometric marginal gains `q^k (1 - q)`, q = 1 - flip, of the prefix
-  problem, by bisection on a per-group log-threshold plus a deterministic
-  (prefix-index order) fill of the units that tie at the threshold. O(P) memory,
-  no unit table, no host sync, any budget size.
+  selection over the geometric marginal gains `q^k (1 - q)`, q = 1 - flip, of the
+  prefix problem. It bisects on a per-group log-threshold, then fills the units
+  that tie at the threshold in prefix-index order, so the result is
+  deterministic. The prefixes are laid out once as a padded (G, W) table (W =
+  the largest group). Each bisection step is then a few dense row ops with a
+  row sum: no gather, no atomics, no unit table, any budget size. W is a
+  shape, so it is read back to the host once unless the caller passes
+  `max_group_size` (then there is no host sync).
 
 Both exist as pure tensor programs (the reference, and the path used on CPU).
 `segmented_threshold` also has a Triton kernel (`backend="triton"`): one
@@ -38,8 +42,8 @@ try:  # Triton is optional at import time (CPU installs may lack it).
 except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
 
-__all__ = ["root_unit_gains", "root_relaxed_counts", "segmented_threshold", "segmented_fill",
-           "prefix_log_gains", "THRESHOLD_ITERS"]
+__all__ = ["root_unit_gains", "root_relaxed_counts", "segmented_threshold", "dense_layout", "prefix_log_gains",
+           "THRESHOLD_ITERS"]
 
 THRESHOLD_ITERS = 64
 """Bisection steps of `segmented_threshold`; the bracket shrinks to range / 2**64."""
@@ -55,10 +59,14 @@ def root_unit_gains(v: torch.Tensor, max_rollouts: int) -> torch.Tensor:
     noise), so the top units of each row are always a prefix of the row.
     """
     v = v.to(torch.float64)
+    B = v.shape[0]
     a = v * (1.0 - v)  # (B,)
-    e = torch.arange(max_rollouts, device=v.device, dtype=torch.float64) - 1.0  # exponent k-1
-    tail = a[:, None] * (v[:, None] ** e + (1.0 - v[:, None]) ** e)  # (B, Mmax)
-    tail[:, : min(3, max_rollouts)] = a[:, None]  # halves of 0->2 and g_3 are exactly v(1-v)
+    tail = a[:, None].expand(B, max_rollouts).clone()  # (B, Mmax): halves of 0->2 and g_3 are exactly v(1-v)
+    if max_rollouts > 3:
+        # Column k >= 3 needs v^(k-1) and (1-v)^(k-1): running products are cheaper than pow.
+        pw = torch.cumprod(v[:, None].expand(B, max_rollouts - 2), dim=1)[:, 1:]  # v^2 .. v^(Mmax-2)
+        qw = torch.cumprod((1.0 - v)[:, None].expand(B, max_rollouts - 2), dim=1)[:, 1:]
+        tail[:, 3:] = a[:, None] * (pw + qw)
     return torch.cummin(tail, dim=1).values
 
 
@@ -72,130 +80,148 @@ def root_relaxed_counts(units: torch.Tensor, budget: torch.Tensor) -> torch.Tens
     """
     B, Mmax = units.shape
     order = torch.sort(units.reshape(-1), descending=True, stable=True).indices  # (B*Mmax,)
-    taken = (torch.arange(B * Mmax, device=units.device) < budget).long()
-    return torch.zeros(B, dtype=torch.long, device=units.device).index_add_(0, order // Mmax, taken)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(B * Mmax, device=units.device)  # inverse permutation: a scatter, not an atomic add
+    return (rank.view(B, Mmax) < budget).sum(1)
 
 
 def prefix_log_gains(flip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, Bq), float64, with log gain of unit k = A - k * Bq: A = log(flip), Bq = -log(1 - flip).
 
     Taking the flip probability 1 - q directly keeps tiny flips (q within
-    rounding of 1) positive instead of rounding them to a gain of 0.
+    rounding of 1) positive instead of rounding them to a gain of 0. At flip = 1
+    (one certain flip, then nothing) Bq = inf is replaced by 1e300: the count
+    formula then gives one unit for thresholds <= 0 and none above, with no
+    special case.
     """
     flip = flip.to(torch.float64)
-    return torch.log(flip), -torch.log1p(-flip)
+    # log1p(-flip) underflows to -0.0 for subnormal flips; a positive floor keeps the division's sign.
+    Bq = torch.clamp(-torch.log1p(-flip), min=torch.finfo(torch.float64).tiny)
+    return torch.log(flip), torch.where(torch.isinf(Bq), torch.full_like(Bq, 1e300), Bq)
 
 
 def _counts(A: torch.Tensor, Bq: torch.Tensor, cap: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-    """Units k < cap with log gain A - k Bq >= T (finite T), as float64 (P,).
+    """Units k < cap with log gain A - k Bq >= T: clamp(floor((A - T) / Bq) + 1, 0, cap), float64.
 
-    flip = 0 (A = -inf) has no positive unit: T > A gives 0. flip = 1 (Bq = inf) gives
-    (A - T) / inf = 0, so one unit.
+    flip = 0 (A = -inf) and the padding (A = -inf) count 0.
     """
-    k = torch.floor((A - T) / Bq) + 1.0
-    k = torch.where(T > A, torch.zeros_like(k), k)
-    return torch.minimum(k, cap)
+    return torch.minimum(torch.clamp(torch.floor((A - T) / Bq) + 1.0, min=0.0), cap)
 
 
-def _positive_capacity(A: torch.Tensor, Bq: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
-    """Units with a positive gain per prefix: cap, or min(1, cap) at flip = 1, or 0 at flip = 0."""
-    one = torch.minimum(cap, torch.ones_like(cap))
-    return torch.where(A == -torch.inf, torch.zeros_like(cap), torch.where(Bq == torch.inf, one, cap))
+def dense_layout(group: torch.Tensor, num_groups: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(perm, slot, W): prefix perm[i] sits at flat slot slot[i] of a (G, W) table, rows in index order.
 
-
-def segmented_fill(want: torch.Tensor, avail: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Give each group g `want[g]` units from its members' `avail`, in member-index order.
-
-    Member p gets clamp(want[g] - (avail of the earlier members of g), 0, avail[p]).
-    This is the deterministic tie fill. Members may come in any group order.
+    W = the largest group (read back to the host) unless `width` is given.
     """
-    perm = torch.argsort(group, stable=True)  # members grouped, index order inside a group
+    perm = torch.argsort(group, stable=True)  # by group, index order inside a group
     g_sorted = group[perm]
-    a_sorted = avail[perm]
-    totals = torch.zeros(num_groups, dtype=avail.dtype, device=avail.device).index_add_(0, group, avail)
-    before_group = torch.cumsum(totals, 0) - totals  # (G,) exclusive
-    excl = torch.cumsum(a_sorted, 0) - a_sorted - before_group[g_sorted]  # (P,) earlier members of my group
-    give_sorted = torch.clamp(want[g_sorted] - excl, min=0)
-    give_sorted = torch.minimum(give_sorted, a_sorted)
-    out = torch.empty_like(avail)
-    out[perm] = give_sorted
-    return out
+    sizes = torch.bincount(group, minlength=num_groups)
+    start = torch.cumsum(sizes, 0) - sizes
+    W = int(sizes.max()) if width is None and group.numel() else (width or 1)
+    W = max(W, 1)
+    slot = g_sorted * W + torch.arange(group.numel(), device=group.device) - start[g_sorted]
+    return perm, slot, W
+
+
+def _scatter(values: torch.Tensor, perm: torch.Tensor, slot: torch.Tensor, G: int, W: int, fill: float):
+    out = torch.full((G * W,), fill, dtype=torch.float64, device=values.device)
+    out[slot] = values[perm].to(torch.float64)
+    return out.view(G, W)
+
+
+def _row_fill(want: torch.Tensor, avail: torch.Tensor) -> torch.Tensor:
+    """Row g gives want[g] units from avail[g, :] left to right: clamp(want - earlier, 0, avail) (G, W)."""
+    earlier = torch.cumsum(avail, 1) - avail
+    return torch.minimum(torch.clamp(want[:, None] - earlier, min=0.0), avail)
 
 
 def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.Tensor, cap: torch.Tensor,
-                        backend: str = "torch", iters: int = THRESHOLD_ITERS) -> torch.Tensor:
+                        backend: str = "torch", iters: int = THRESHOLD_ITERS,
+                        max_group_size: int | None = None) -> torch.Tensor:
     """Exact per-group top-`budget[g]` selection over units with gains q_p^k (1 - q_p), k < cap_p.
 
     Args: flip (P,) = 1 - q in [0, 1]; group (P,) long in [0, G); budget (G,) long >= 0;
-    cap (P,) long >= 0 (the most units prefix p may take). Returns k (P,) long
-    with sum over each group = min(budget[g], sum of caps). Units with gain 0
-    (flip = 0, or k >= 1 at flip = 1) are used only after every positive unit of
-    the group is taken. Ties (gains inside the final bisection bracket, which
-    is 2**-64 of the log range wide) are filled in prefix-index order.
+    cap (P,) long >= 0 (the most units prefix p may take); max_group_size: an
+    upper bound on the prefixes per group (None: computed, one host sync).
+    Returns k (P,) long with sum over each group = min(budget[g], sum of caps).
+    Units with gain 0 (flip = 0, or k >= 1 at flip = 1) are used only after
+    every positive unit of the group is taken. Ties (gains inside the final
+    bisection bracket, 2**-64 of the log range wide) are filled in
+    prefix-index order.
     """
     G = budget.numel()
-    A, Bq = prefix_log_gains(flip)  # (P,)
-    capf = cap.to(torch.float64)
-    budf = budget.to(torch.float64)
-    pos_cap = _positive_capacity(A, Bq, capf)  # (P,)
-    # Log gain of each prefix's last positive unit; the global minimum brackets every threshold.
-    last = torch.where(pos_cap > 1, A - (pos_cap - 1) * Bq, A)
-    last = torch.where(pos_cap > 0, last, torch.zeros_like(last))
-    lo0 = (torch.amin(last) if last.numel() else torch.zeros((), dtype=torch.float64, device=flip.device)) - 1.0
-    if backend == "triton":
-        lo, hi = _bisect_triton(A, Bq, capf, group, budf, lo0, iters)
-    elif backend == "torch":
-        lo, hi = _bisect_torch(A, Bq, capf, group, budf, lo0, iters)
-    else:
+    P = flip.numel()
+    if backend not in ("torch", "triton"):
         raise ValueError(f"unknown backend {backend!r}; valid: torch, triton")
-    k_hi = _counts(A, Bq, capf, hi[group])  # strictly above the threshold: always taken
-    k_lo = _counts(A, Bq, capf, lo[group])  # at or above: the bracket's ties
-    c_hi = torch.zeros(G, dtype=torch.float64, device=flip.device).index_add_(0, group, k_hi)
-    k = k_hi + segmented_fill(budf - c_hi, k_lo - k_hi, group, G)
-    # Whatever budget remains goes to zero-gain units, again in index order.
-    c = torch.zeros(G, dtype=torch.float64, device=flip.device).index_add_(0, group, k)
-    k = k + segmented_fill(budf - c, capf - pos_cap, group, G)
-    return k.long()
+    perm, slot, W = dense_layout(group, G, max_group_size)
+    A, Bq = prefix_log_gains(flip)  # (P,)
+    A, Bq = _scatter(A, perm, slot, G, W, -torch.inf), _scatter(Bq, perm, slot, G, W, 1.0)  # (G, W)
+    capf = _scatter(cap, perm, slot, G, W, 0.0)
+    budf = budget.to(torch.float64)
+    pos_cap = torch.where(A == -torch.inf, torch.zeros_like(capf),
+                          torch.where(Bq == 1e300, torch.clamp(capf, max=1.0), capf))  # positive units
+    # Log gain of the last positive unit; the minimum over everything brackets every threshold.
+    last = torch.where(pos_cap > 0, A - torch.clamp(pos_cap - 1, min=0) * Bq, torch.zeros_like(A))
+    lo0 = torch.amin(last) - 1.0 if P else torch.zeros((), dtype=torch.float64, device=flip.device)
+    if backend == "triton":
+        lo, hi = _bisect_triton(A, Bq, capf, budf, lo0, iters)
+    else:
+        lo, hi = _bisect_torch(A, Bq, capf, budf, lo0, iters)
+    k_hi = _counts(A, Bq, capf, hi[:, None])  # (G, W) strictly above the threshold: always taken
+    k_lo = _counts(A, Bq, capf, lo[:, None])  # at or above: the bracket's ties
+    k = k_hi + _row_fill(budf - k_hi.sum(1), k_lo - k_hi)
+    k = k + _row_fill(budf - k.sum(1), capf - pos_cap)  # what remains goes to gain-0 units
+    out = torch.empty(P, dtype=torch.long, device=flip.device)
+    out[perm] = k.reshape(-1)[slot].long()
+    return out
 
 
-def _bisect_torch(A, Bq, capf, group, budf, lo0, iters):
-    """Per-group bisection on the log threshold T: keeps C(lo) >= budget > C(hi) (when reachable)."""
+def _bisect_torch(A, Bq, capf, budf, lo0, iters):
+    """Row-wise bisection on the log threshold T, keeping C(lo) >= budget > C(hi) when reachable.
+
+    On CPU (where a read-back costs nothing) it stops early once every group
+    has C(lo) <= budget: then all units >= lo are taken and the bracket's
+    width no longer matters. On an accelerator it runs all `iters` steps,
+    with no host sync.
+    """
     G = budf.numel()
     lo = lo0.expand(G).clone()  # (G,)
     hi = torch.ones(G, dtype=torch.float64, device=A.device)  # log gains are <= 0 < 1: C(hi) = 0
-    for _ in range(iters):
+    c_lo = _counts(A, Bq, capf, lo[:, None]).sum(1)  # (G,)
+    early = A.device.type == "cpu"
+    for it in range(iters):
         mid = 0.5 * (lo + hi)
-        cnt = torch.zeros(G, dtype=torch.float64, device=A.device).index_add_(0, group, _counts(A, Bq, capf, mid[group]))
+        cnt = _counts(A, Bq, capf, mid[:, None]).sum(1)
         ge = cnt >= budf
         lo = torch.where(ge, mid, lo)
         hi = torch.where(ge, hi, mid)
+        c_lo = torch.where(ge, cnt, c_lo)
+        if early and it % 4 == 3 and bool((c_lo <= budf).all()):
+            break
     return lo, hi
 
 
 if triton is not None:
 
     @triton.jit
-    def _bisect_kernel(A_ptr, Bq_ptr, cap_ptr, start_ptr, budget_ptr, lo0_ptr, lo_ptr, hi_ptr,
-                       ITERS: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
-        """One program per group: bisection over its contiguous member segment [start[g], start[g+1])."""
+    def _bisect_kernel(A_ptr, Bq_ptr, cap_ptr, budget_ptr, lo0_ptr, lo_ptr, hi_ptr, W,
+                       ITERS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+        """One program per group: the whole bisection over its row of the (G, W) table."""
         g = tl.program_id(0)
-        s = tl.load(start_ptr + g)
-        e = tl.load(start_ptr + g + 1)
         bud = tl.load(budget_ptr + g)
         lo = tl.load(lo0_ptr)  # float64 scalar; the loop-carried values keep its type
         hi = lo * 0.0 + 1.0
         for _ in range(ITERS):
             mid = 0.5 * (lo + hi)
             total = lo * 0.0
-            for c in range(MAX_CHUNKS):
-                offs = s + c * BLOCK + tl.arange(0, BLOCK)
-                m = offs < e
+            for c in range(CHUNKS):
+                cols = c * BLOCK + tl.arange(0, BLOCK)
+                m = cols < W
+                offs = g * W + cols
                 a = tl.load(A_ptr + offs, mask=m, other=-float("inf"))
                 b = tl.load(Bq_ptr + offs, mask=m, other=1.0)
                 cp = tl.load(cap_ptr + offs, mask=m, other=0.0)
-                k = tl.floor((a - mid) / b) + 1.0
-                k = tl.where(mid > a, 0.0, k)
-                k = tl.minimum(k, cp)
+                k = tl.minimum(tl.maximum(tl.floor((a - mid) / b) + 1.0, 0.0), cp)
                 total += tl.sum(k, axis=0)
             ge = total >= bud
             lo = tl.where(ge, mid, lo)
@@ -204,23 +230,14 @@ if triton is not None:
         tl.store(hi_ptr + g, hi)
 
 
-def _bisect_triton(A, Bq, capf, group, budf, lo0, iters, block: int = 64):
-    """Triton version of `_bisect_torch`: members sorted into segments, one program per group.
-
-    The chunk count per segment is a compile-time constant. Computing it reads
-    the largest group size back to the host, which is the one sync of this path.
-    """
+def _bisect_triton(A, Bq, capf, budf, lo0, iters, block: int = 64):
+    """Triton version of `_bisect_torch` on the same (G, W) table: one program per group, one launch."""
     if triton is None:
         raise RuntimeError("backend='triton' needs the triton package")
-    G = budf.numel()
-    perm = torch.argsort(group, stable=True)
-    sizes = torch.bincount(group, minlength=G)
-    start = torch.zeros(G + 1, dtype=torch.int64, device=A.device)
-    start[1:] = torch.cumsum(sizes, 0)
-    max_chunks = max(1, triton.cdiv(int(sizes.max()) if G else 1, block))
+    G, W = A.shape
     lo = torch.empty(G, dtype=torch.float64, device=A.device)
     hi = torch.empty(G, dtype=torch.float64, device=A.device)
     if G:
-        _bisect_kernel[(G,)](A[perm].contiguous(), Bq[perm].contiguous(), capf[perm].contiguous(), start,
-                             budf.contiguous(), lo0.reshape(1), lo, hi, ITERS=iters, BLOCK=block, MAX_CHUNKS=max_chunks)
+        _bisect_kernel[(G,)](A.contiguous(), Bq.contiguous(), capf.contiguous(), budf.contiguous(),
+                             lo0.reshape(1), lo, hi, W, ITERS=iters, BLOCK=block, CHUNKS=triton.cdiv(W, block))
     return lo, hi

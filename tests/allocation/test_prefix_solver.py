@@ -94,6 +94,10 @@ def test_edge_cases_and_ties():
     # A certain flip (q = 0) takes one unit before any zero-gain unit.
     k = allocate_prefixes(torch.tensor([1.0, 0.0]), torch.tensor([1, 1]), torch.tensor([0, 0]), torch.tensor([3]))
     assert k.tolist() == [2, 1]
+    # A subnormal flip probability (log1p underflows to -0.0) still loses to a certain flip.
+    k = allocate_prefixes(torch.tensor([0.0, 5e-324], dtype=torch.float64), torch.tensor([1, 0]),
+                          torch.tensor([0, 0]), torch.tensor([1]))
+    assert k.tolist() == [1, 0]
     for bad_v in ([0.5, float("nan"), 0.5], [0.5, 1.2, 0.5]):
         with pytest.raises(ValueError, match="v"):
             allocate_prefixes(torch.tensor(bad_v), r, g, torch.tensor([2]))

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from trace_mega.allocation.reference import prefix_objective, prefixes_dp
-from trace_mega.kernels.allocation import (root_relaxed_counts, root_unit_gains, segmented_fill,
-                                           segmented_threshold)
+from trace_mega.kernels.allocation import dense_layout, root_relaxed_counts, root_unit_gains, segmented_threshold
 
 
 def test_root_unit_gains_are_the_marginals():
@@ -26,11 +25,11 @@ def test_relaxed_counts_are_top_units_with_index_ties():
     assert root_relaxed_counts(U, torch.tensor(9)).tolist() == [3, 3, 3]
 
 
-def test_segmented_fill():
+def test_dense_layout():
     group = torch.tensor([1, 0, 1, 1, 0])
-    avail = torch.tensor([2.0, 1.0, 2.0, 2.0, 5.0])
-    out = segmented_fill(torch.tensor([3.0, 5.0]), avail, group, 2)
-    assert out.tolist() == [2.0, 1.0, 2.0, 1.0, 2.0]  # group 1 takes 2+2+1 in index order, group 0 takes 1+2
+    perm, slot, W = dense_layout(group, 3)
+    assert W == 3 and perm.tolist() == [1, 4, 0, 2, 3] and slot.tolist() == [0, 1, 3, 4, 5]
+    assert dense_layout(group, 3, width=4)[1].tolist() == [0, 1, 4, 5, 6]
 
 
 def _instance(seed, P, G, binary=False):

@@ -44,21 +44,16 @@ def roots_dp(v: Sequence[float], budget: int, max_rollouts: int) -> tuple[Option
     dp = np.full(M + 1, -np.inf)
     dp[0] = 0.0
     arg = np.zeros((B, M + 1), dtype=np.uint8)
+    cols = max_rollouts - choices  # window column j holds dp[b + j - max_rollouts], i.e. m = max_rollouts - j
     for i in range(B):
         vals = 1.0 - v[i] ** choices - (1.0 - v[i]) ** choices
         vals[0] = 0.0
-        best = dp.copy()  # m_i = 0
-        best_m = np.zeros(M + 1, dtype=np.uint8)
-        for m, val in zip(choices[1:], vals[1:]):
-            if m > M:
-                break
-            cand = np.full(M + 1, -np.inf)
-            cand[m:] = dp[: M + 1 - m] + val
-            better = cand > best
-            best = np.where(better, cand, best)
-            best_m = np.where(better, m, best_m)
-        dp = best
-        arg[i] = best_m
+        padded = np.concatenate([np.full(max_rollouts, -np.inf), dp])
+        windows = np.lib.stride_tricks.sliding_window_view(padded, max_rollouts + 1)  # (M+1, Mmax+1) view
+        cand = windows[:, cols] + vals  # (M+1, |choices|): dp[b - m] + f(m)
+        best = np.argmax(cand, axis=1)
+        dp = cand[np.arange(M + 1), best]
+        arg[i] = choices[best]
     if not np.isfinite(dp[M]):
         return None, -np.inf
     m_out = np.zeros(B, dtype=np.int64)

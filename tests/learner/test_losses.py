@@ -6,7 +6,9 @@ import torch
 
 from trace_mega.config import AdvantageConfig, LossConfig
 from trace_mega.learner.advantages import compute_advantages
-from trace_mega.learner.losses import LOSSES, aggregation_coefficients, compute_loss, kl_k3, unit_count
+from trace_mega.learner.losses import (
+    LOSSES, aggregation_coefficients, aggregation_mode, compute_loss, kl_k3, path_token_index, unit_count,
+)
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 
 
@@ -176,6 +178,19 @@ def test_packed_tree_with_per_leaf_weights_equals_flattened_paths(name, agg, kin
     assert torch.allclose(a.grad, b.grad, atol=1e-6)
 
 
+def test_path_token_index_equals_flatten():
+    for trees in (_trees(), [_tree([(0, 3, 1)])], _trees()[:1]):
+        p = pack(trees)
+        assert torch.equal(path_token_index(p), p.flatten().packed_index)
+
+
+def test_aggregation_mode_names_the_unit_of_each_loss():
+    assert aggregation_mode(LossConfig()) == "token_mean"
+    assert aggregation_mode(LossConfig(aggregation="prompt_mean")) == "prompt_mean"
+    assert aggregation_mode(LossConfig(name="dapo")) == "token_mean"
+    assert aggregation_mode(LossConfig(name="gspo")) == "sequence_mean"
+
+
 def test_once_weights_count_a_shared_token_once():
     trees = _trees()
     p = pack(trees)
@@ -192,7 +207,7 @@ def test_once_weights_count_a_shared_token_once():
 def test_micro_batches_with_global_units_sum_to_the_batch_loss(name, agg):
     trees = _trees() + [_tree([(0, 2, 1), (0, 3, 0)], "z")]
     cfg = LossConfig(name=name, aggregation=agg)
-    mode = agg or ("sequence_mean" if name == "gspo" else "token_mean")
+    mode = aggregation_mode(cfg)
     p, logp = _shared_batch(trees, seed=3)
     full = compute_loss(logp, p, cfg).loss
     micro, offset = [], 0

@@ -170,7 +170,8 @@ def megatron_worker(out_path):
                        num_query_groups=2, head_dim=8, max_position_embeddings=128, attention_backend="sdpa")
     model = build_model(mcfg, par, groups.pgs, groups.device, 0, 1).eval()
     trees = make_trees()
-    res = reference_probe(megatron_packed_forward(model), trees, tokenize, TEMPLATE,
+    # pad_multiple=16 exercises the padding node that TP > 1 needs (the stream is not a multiple of 16)
+    res = reference_probe(megatron_packed_forward(model, pad_multiple=16), trees, tokenize, TEMPLATE,
                           output_weight=output_weight(model), tp_group=groups.pgs.tp, vocab_start=0)
 
     def logits(ids):
@@ -178,6 +179,8 @@ def megatron_worker(out_path):
         return forward_packed(model, ids, pos, None, output="full_logits")[0]
 
     ref = separate_passes(logits, trees)
+    answers = [answer_token_ids(tokenize, TEMPLATE, t.gold_answer) for t in trees]
+    assert build_probe_batch(trees, answers).packed.num_tokens % 16 != 0
     diff = max(float((g[~torch.isnan(w)] - w[~torch.isnan(w)]).abs().max()) for g, w in zip(res.ell, ref))
     Path(out_path).write_text(json.dumps({"max_abs_diff": diff}))
     destroy_parallel()

@@ -45,12 +45,13 @@ from typing import Callable, Optional
 import torch
 
 from trace_mega.config import LossConfig
+from trace_mega.learner.credit import path_nodes
 from trace_mega.registry import Registry
 from trace_mega.rollout.tree import PackedTrees
 
 __all__ = [
     "LOSSES", "LossOutput", "LossFn", "AGGREGATIONS", "aggregation_coefficients", "unit_count",
-    "resolve_clip", "compute_loss", "ppo_clip_token", "dapo", "gspo", "kl_k3",
+    "resolve_clip", "aggregation_mode", "path_token_index", "compute_loss", "ppo_clip_token", "dapo", "gspo", "kl_k3",
 ]
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "prompt_mean")
@@ -63,7 +64,7 @@ class LossOutput:
     loss: torch.Tensor
     """Scalar to backpropagate."""
     metrics: dict[str, torch.Tensor]
-    """Detached scalars (no host sync here): policy loss, kl, entropy, clip fraction, ratio."""
+    """Detached scalars: policy_loss, loss, clip_fraction, ratio_mean (+ kl_ref, entropy when their coef != 0)."""
 
 
 LossFn = Callable[..., LossOutput]
@@ -77,16 +78,47 @@ def resolve_clip(cfg: LossConfig, name: Optional[str] = None) -> tuple[float, fl
             hi if cfg.clip_eps_high is None else cfg.clip_eps_high)
 
 
+def aggregation_mode(cfg: LossConfig) -> str:
+    """The aggregation the configured loss uses: dapo token_mean, gspo sequence_mean, else
+    `cfg.aggregation` (default token_mean); pair with `unit_count` for micro-batching."""
+    if cfg.name == "dapo":
+        return "token_mean"
+    if cfg.name == "gspo":
+        return "sequence_mean"
+    return cfg.aggregation or "token_mean"
+
+
 def _token_units(packed: PackedTrees) -> torch.Tensor:
     """(T,) u_t = loss_mask · token_weight."""
     m = packed.loss_mask.float()
     return m if packed.token_weight is None else m * packed.token_weight.float()
 
 
+def path_token_index(packed: PackedTrees) -> torch.Tensor:
+    """(P, S) stream index of every root-to-leaf path's tokens in order, −1 on padding.
+
+    The same as `packed.flatten().packed_index`, vectorised: each path is the concatenation
+    of its nodes' [node_start, node_end) ranges.
+    """
+    nodes = path_nodes(packed)  # (P, D+1), -1 beyond the leaf
+    P, D1 = nodes.shape
+    g = nodes.clamp(min=0)
+    lens = torch.where(nodes >= 0, packed.node_end[g] - packed.node_start[g], 0).reshape(-1)  # (P*(D+1),)
+    row_len = lens.view(P, D1).sum(1)  # (P,)
+    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)  # (Σ,) segment of every path token
+    pos = torch.arange(seg.numel())
+    stream = packed.node_start[g.reshape(-1)][seg] + pos - (lens.cumsum(0) - lens)[seg]
+    row = seg // D1
+    col = pos - (row_len.cumsum(0) - row_len)[row]
+    out = torch.full((P, int(row_len.max()) if P else 0), -1, dtype=torch.long)
+    out[row, col] = stream
+    return out
+
+
 def _path_layout(packed: PackedTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(index (P, S) stream index of each path's tokens, clamped; share (P, S) u_t/n_t (0 on padding);
     length (P,) |p|)."""
-    index = packed.flatten().packed_index  # (P, S), -1 on padding
+    index = path_token_index(packed)  # (P, S), -1 on padding
     valid = index >= 0
     safe = index.clamp(min=0)
     n = packed.node_leaf_count[packed.token_node].float()  # (T,)
@@ -190,8 +222,8 @@ def _clipped_token_loss(logprobs, packed, cfg, mode, eps, old_logprobs, ref_logp
 def ppo_clip_token(logprobs, packed, cfg: LossConfig, *, old_logprobs=None, ref_logprobs=None,
                    entropy=None, global_units=None) -> LossOutput:
     """GRPO's token-level PPO-clip; aggregation `cfg.aggregation`, default token_mean (unit: tokens)."""
-    mode = cfg.aggregation or "token_mean"
-    return _clipped_token_loss(logprobs, packed, cfg, mode, resolve_clip(cfg, "ppo_clip_token"),
+    return _clipped_token_loss(logprobs, packed, cfg, cfg.aggregation or "token_mean",
+                               resolve_clip(cfg, "ppo_clip_token"),
                                old_logprobs, ref_logprobs, entropy, global_units)
 
 
@@ -228,10 +260,10 @@ def gspo(logprobs, packed, cfg: LossConfig, *, old_logprobs=None, ref_logprobs=N
     per = share / length.clamp(min=1e-12)[:, None]  # (P, S): (u_t/n_t)/|p|
     policy = -(per * term).sum() / P
     coef = aggregation_coefficients(packed, "sequence_mean", global_units).to(logprobs)
-    s_live = s[live]
+    lw = live.to(s.dtype) / live.sum().clamp(min=1)  # (P,) mean over the paths with loss tokens
     metrics = {
-        "clip_fraction": ((s_live < 1.0 - eps_lo) | (s_live > 1.0 + eps_hi)).float().mean(),
-        "ratio_mean": s_live.mean(),
+        "clip_fraction": (lw * ((s < 1.0 - eps_lo) | (s > 1.0 + eps_hi)).to(s.dtype)).sum(),
+        "ratio_mean": (lw * s).sum(),
     }
     return _finish(policy, coef, mask, logprobs, cfg, ref_logprobs, entropy, metrics)
 

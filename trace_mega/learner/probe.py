@@ -125,6 +125,7 @@ def run_probe(model: PackedForward, batch: ProbeBatch, *, output_weight: Optiona
     p = batch.packed
     out = model(p.tokens[None], p.position_ids[None], p.token_node[None], p.token_node_exit[None])
     out = out[0] if out.dim() == 3 else out  # (T, H) or (T, V)
+    p = p.to(out.device)  # the model may run on an accelerator; the batch is built on the host
     if output_weight is not None:
         lp = packed_token_logprobs(out, output_weight, p, tp_group=tp_group, vocab_start=vocab_start)
     else:
@@ -132,11 +133,11 @@ def run_probe(model: PackedForward, batch: ProbeBatch, *, output_weight: Optiona
             raise ValueError("vocab-parallel probing needs hidden states and output_weight")
         sel = torch.nonzero(p.loss_mask & (p.prev_index >= 0)).squeeze(1)  # (M,)
         logp = torch.log_softmax(out.index_select(0, p.prev_index[sel]).float(), dim=-1)  # (M, V)
-        lp = torch.zeros(p.num_tokens).index_copy(0, sel, logp.gather(1, p.tokens[sel, None]).squeeze(1))
-    node = p.token_node
-    total = torch.zeros(p.num_nodes).index_add(0, node, lp.float().cpu())
-    count = torch.zeros(p.num_nodes).index_add(0, node, p.loss_mask.float())
-    return (total / count.clamp(min=1))[batch.probe_node]
+        lp = out.new_zeros(p.num_tokens, dtype=torch.float32).index_copy(
+            0, sel, logp.gather(1, p.tokens[sel, None]).squeeze(1))
+    total = lp.new_zeros(p.num_nodes).index_add(0, p.token_node, lp.float())
+    count = lp.new_zeros(p.num_nodes).index_add(0, p.token_node, p.loss_mask.float())
+    return (total / count.clamp(min=1))[batch.probe_node.to(lp.device)].cpu()
 
 
 def _chunks(trees: Sequence[RolloutTree], sizes: Sequence[int], max_tokens: Optional[int]) -> list[list[int]]:
@@ -183,23 +184,42 @@ def hf_packed_forward(hf_model: torch.nn.Module) -> PackedForward:
     from trace_mega.kernels.tree_attention_ref import tree_mask
 
     def forward(tokens, position_ids, token_node, token_node_exit):
-        dtype = next(hf_model.parameters()).dtype
-        allowed = tree_mask(token_node, token_node_exit)  # (1, T, T) bool
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        out = hf_model(input_ids=tokens, attention_mask=mask[:, None], position_ids=position_ids)
+        param = next(hf_model.parameters())
+        allowed = tree_mask(token_node, token_node_exit).to(param.device)  # (1, T, T) bool
+        mask = torch.zeros(allowed.shape, dtype=param.dtype, device=param.device)
+        mask.masked_fill_(~allowed, torch.finfo(param.dtype).min)
+        out = hf_model(input_ids=tokens.to(param.device), attention_mask=mask[:, None],
+                       position_ids=position_ids.to(param.device))
         return out.logits[0]  # (T, V)
 
     return forward
 
 
-def megatron_packed_forward(model: torch.nn.Module) -> PackedForward:
+def megatron_packed_forward(model: torch.nn.Module, pad_multiple: Optional[int] = None) -> PackedForward:
     """`PackedForward` (hidden states) for the learner's `TreeGPTModel` (PP = 1); pair with
-    `trace_mega.learner.models.output_weight(model)`."""
+    `trace_mega.learner.models.output_weight(model)`.
+
+    Inputs move to the model's device; the stream is padded to a multiple of `pad_multiple`
+    (default: the TP size, as sequence parallelism splits it) with one extra node that
+    attends only to itself.
+    """
     from trace_mega.learner.attention import tree_attention_mask
-    from trace_mega.learner.models import forward_packed
+    from trace_mega.learner.models import forward_packed, unwrap
+
+    net = unwrap(model)
+    multiple = pad_multiple or net.config.tensor_model_parallel_size
 
     def forward(tokens, position_ids, token_node, token_node_exit):
-        mask = tree_attention_mask(token_node, token_node_exit)
-        return forward_packed(model, tokens, position_ids, mask, output="hidden")[0]  # (T, H)
+        dev = next(net.parameters()).device
+        T = tokens.shape[1]
+        pad = (-T) % multiple
+        if pad:
+            extra = int(token_node.max()) + 1  # a node after every real node: sees only itself
+            fill = lambda x, v: torch.cat([x, x.new_full((1, pad), v)], dim=1)  # noqa: E731
+            tokens, token_node, token_node_exit = fill(tokens, 0), fill(token_node, extra), fill(token_node_exit, extra)
+            position_ids = torch.cat([position_ids, torch.arange(pad)[None]], dim=1)
+        mask = tree_attention_mask(token_node.to(dev), token_node_exit.to(dev))
+        hidden = forward_packed(model, tokens.to(dev), position_ids.to(dev), mask, output="hidden")
+        return hidden[0, :T]  # (T, H)
 
     return forward

@@ -172,8 +172,14 @@ def spot_check(seed: int = 0, spec: TreeSpec = SPOT) -> dict:
 
 
 def _time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Mean milliseconds per call (CUDA events; wall clock on CPU, used only for dry runs)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -184,12 +190,12 @@ def _time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     return start.elapsed_time(end) / iters
 
 
-def gpu_timings(row: dict, packed, dtype=torch.bfloat16) -> list[dict]:
-    """fwd / fwd+bwd times of the kernel and its peers on one scenario (CUDA only)."""
+def gpu_timings(row: dict, packed, dtype=torch.bfloat16, device: str = "cuda") -> list[dict]:
+    """fwd / fwd+bwd times of the kernel and its peers on one scenario (meant for CUDA)."""
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     T = packed.num_tokens
     tn, te = packed.token_node[None].to(dev), packed.token_node_exit[None].to(dev)
     mk = lambda h: torch.randn(1, T, h, HEAD_DIM, device=dev, dtype=dtype, requires_grad=True)  # noqa: E731
@@ -205,30 +211,34 @@ def gpu_timings(row: dict, packed, dtype=torch.bfloat16) -> list[dict]:
     vf = v.detach()[0][idx].transpose(1, 2).repeat_interleave(HQ // HKV, 1).contiguous().requires_grad_(True)
     dof = torch.randn_like(qf)
     t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, T, H, D) <-> (B, H, T, D)
+    # name -> (fn(q, k, v) -> out, upstream grad, leaves, which FLOP count is "useful")
     methods = {
-        "tree_attention (triton)": (lambda: tree_attention(q, k, v, tn, te), do, (q, k, v), "packed"),
-        "sdpa + mask": (lambda: tree_attention_reference(q, k, v, tn, te), do, (q, k, v), "packed"),
+        "tree_attention (triton)": (lambda a, b, c: tree_attention(a, b, c, tn, te), do, (q, k, v), "packed"),
+        "sdpa + mask": (lambda a, b, c: tree_attention_reference(a, b, c, tn, te), do, (q, k, v), "packed"),
         "flex_attention (compiled)": (
-            lambda: flex_c(t(q), t(k), t(v), block_mask=bmask, enable_gqa=True), t(do), (q, k, v), "packed"),
+            lambda a, b, c: flex_c(t(a), t(b), t(c), block_mask=bmask, enable_gqa=True), t(do), (q, k, v), "packed"),
         "flattened causal sdpa": (
-            lambda: F.scaled_dot_product_attention(qf, kf, vf, is_causal=True), dof, (qf, kf, vf), "flat"),
+            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), dof, (qf, kf, vf), "flat"),
     }
     out = []
-    for name, (fwd, grad, leaves, layout) in methods.items():
+    for name, (fn, grad, leaves, layout) in methods.items():
         gflop = row["fwd_gflop_packed"] if layout == "packed" else row["fwd_gflop_flat_causal"]
-        try:
-            with torch.no_grad():
-                f_ms = _time_ms(fwd)
-
-            def fwd_bwd():
-                torch.autograd.grad(fwd(), leaves, grad)
-            fb_ms = _time_ms(fwd_bwd)
-            out.append({"scenario": row["scenario"], "method": name, "fwd_ms": f_ms, "fwd_bwd_ms": fb_ms,
-                        "useful_gflop_fwd": gflop, "fwd_tflops": gflop / f_ms,
-                        "fwd_bwd_tflops": 3.5 * gflop / fb_ms})  # bwd = 2.5x fwd matmul FLOPs
-        except Exception as e:  # e.g. OOM of the O(T^2) mask on big scenarios: record, keep going
-            out.append({"scenario": row["scenario"], "method": name, "error": f"{type(e).__name__}: {e}"[:200]})
-            torch.cuda.empty_cache()
+        rec = {"scenario": row["scenario"], "method": name, "useful_gflop_fwd": gflop}
+        detached = tuple(x.detach() for x in leaves)
+        for key, run in (("fwd", lambda: fn(*detached)),
+                         ("fwd_bwd", lambda: torch.autograd.grad(fn(*leaves), leaves, grad))):
+            try:
+                with torch.set_grad_enabled(key == "fwd_bwd"):
+                    ms = _time_ms(run)
+                rec[f"{key}_ms"] = ms
+                # backward = 5 GEMMs (QK^T recompute, dV, dP, dQ, dK) vs the forward's 2: f+b = 3.5x fwd
+                rec[f"{key}_tflops"] = gflop * (1.0 if key == "fwd" else 3.5) / ms
+            except Exception as e:  # e.g. OOM of the O(T^2) mask on big scenarios: record, keep going
+                rec[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+                rec["error"] = rec[f"{key}_error"][:60]
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        out.append(rec)
     return out
 
 

@@ -89,21 +89,19 @@ def prefix_log_gains(flip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, Bq), float64, with log gain of unit k = A - k * Bq: A = log(flip), Bq = -log(1 - flip).
 
     Taking the flip probability 1 - q directly keeps tiny flips (q within
-    rounding of 1) positive instead of rounding them to a gain of 0. At flip = 1
-    (one certain flip, then nothing) Bq = inf is replaced by 1e300: the count
-    formula then gives one unit for thresholds <= 0 and none above, with no
-    special case.
+    rounding of 1) positive instead of rounding them to a gain of 0.
     """
     flip = flip.to(torch.float64)
     # log1p(-flip) underflows to -0.0 for subnormal flips; a positive floor keeps the division's sign.
     Bq = torch.clamp(-torch.log1p(-flip), min=torch.finfo(torch.float64).tiny)
-    return torch.log(flip), torch.where(torch.isinf(Bq), torch.full_like(Bq, 1e300), Bq)
+    # flip in {0, 1} has at most one positive unit (the count cap handles it), so any finite slope works.
+    return torch.log(flip), torch.where((flip == 0) | (flip == 1), torch.ones_like(Bq), Bq)
 
 
 def _counts(A: torch.Tensor, Bq: torch.Tensor, cap: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-    """Units k < cap with log gain A - k Bq >= T: clamp(floor((A - T) / Bq) + 1, 0, cap), float64.
+    """Positive units k < cap with log gain A - k Bq >= T: clamp(floor((A - T) / Bq) + 1, 0, cap), float64.
 
-    flip = 0 (A = -inf) and the padding (A = -inf) count 0.
+    `cap` is the positive-unit capacity. flip = 0 and the padding (A = -inf) count 0.
     """
     return torch.minimum(torch.clamp(torch.floor((A - T) / Bq) + 1.0, min=0.0), cap)
 
@@ -158,17 +156,18 @@ def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.T
     A, Bq = _scatter(A, perm, slot, G, W, -torch.inf), _scatter(Bq, perm, slot, G, W, 1.0)  # (G, W)
     capf = _scatter(cap, perm, slot, G, W, 0.0)
     budf = budget.to(torch.float64)
-    pos_cap = torch.where(A == -torch.inf, torch.zeros_like(capf),
-                          torch.where(Bq == 1e300, torch.clamp(capf, max=1.0), capf))  # positive units
+    flip_t = _scatter(flip, perm, slot, G, W, 0.0)
+    pos_cap = torch.where(flip_t == 0, torch.zeros_like(capf),
+                          torch.where(flip_t == 1, torch.clamp(capf, max=1.0), capf))  # positive units (G, W)
     # Log gain of the last positive unit; the minimum over everything brackets every threshold.
     last = torch.where(pos_cap > 0, A - torch.clamp(pos_cap - 1, min=0) * Bq, torch.zeros_like(A))
     lo0 = torch.amin(last) - 1.0 if P else torch.zeros((), dtype=torch.float64, device=flip.device)
     if backend == "triton":
-        lo, hi = _bisect_triton(A, Bq, capf, budf, lo0, iters)
+        lo, hi = _bisect_triton(A, Bq, pos_cap, budf, lo0, iters)
     else:
-        lo, hi = _bisect_torch(A, Bq, capf, budf, lo0, iters)
-    k_hi = _counts(A, Bq, capf, hi[:, None])  # (G, W) strictly above the threshold: always taken
-    k_lo = _counts(A, Bq, capf, lo[:, None])  # at or above: the bracket's ties
+        lo, hi = _bisect_torch(A, Bq, pos_cap, budf, lo0, iters)
+    k_hi = _counts(A, Bq, pos_cap, hi[:, None])  # (G, W) strictly above the threshold: always taken
+    k_lo = _counts(A, Bq, pos_cap, lo[:, None])  # at or above: the bracket's ties
     k = k_hi + _row_fill(budf - k_hi.sum(1), k_lo - k_hi)
     k = k + _row_fill(budf - k.sum(1), capf - pos_cap)  # what remains goes to gain-0 units
     out = torch.empty(P, dtype=torch.long, device=flip.device)
@@ -179,25 +178,35 @@ def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.T
 def _bisect_torch(A, Bq, capf, budf, lo0, iters):
     """Row-wise bisection on the log threshold T, keeping C(lo) >= budget > C(hi) when reachable.
 
-    On CPU (where a read-back costs nothing) it stops early once every group
-    has C(lo) <= budget: then all units >= lo are taken and the bracket's
-    width no longer matters. On an accelerator it runs all `iters` steps,
-    with no host sync.
+    A group is settled once C(lo) <= budget: all its units >= lo are then taken
+    and the bracket's width no longer matters. On CPU, where a read-back costs
+    nothing, settled groups are dropped from the table every 4 steps and the
+    loop stops when none is left. On an accelerator all `iters` steps run on
+    the full table, with no host sync.
     """
     G = budf.numel()
     lo = lo0.expand(G).clone()  # (G,)
     hi = torch.ones(G, dtype=torch.float64, device=A.device)  # log gains are <= 0 < 1: C(hi) = 0
-    c_lo = _counts(A, Bq, capf, lo[:, None]).sum(1)  # (G,)
-    early = A.device.type == "cpu"
+    if A.device.type != "cpu":
+        for _ in range(iters):
+            mid = 0.5 * (lo + hi)
+            ge = _counts(A, Bq, capf, mid[:, None]).sum(1) >= budf
+            lo, hi = torch.where(ge, mid, lo), torch.where(ge, hi, mid)
+        return lo, hi
+    act = torch.arange(G)  # groups still open
+    a, b, c, bud, l, h = A, Bq, capf, budf, lo.clone(), hi.clone()
+    c_lo = _counts(a, b, c, l[:, None]).sum(1)
     for it in range(iters):
-        mid = 0.5 * (lo + hi)
-        cnt = _counts(A, Bq, capf, mid[:, None]).sum(1)
-        ge = cnt >= budf
-        lo = torch.where(ge, mid, lo)
-        hi = torch.where(ge, hi, mid)
-        c_lo = torch.where(ge, cnt, c_lo)
-        if early and it % 4 == 3 and bool((c_lo <= budf).all()):
-            break
+        mid = 0.5 * (l + h)
+        cnt = _counts(a, b, c, mid[:, None]).sum(1)
+        ge = cnt >= bud
+        l, h, c_lo = torch.where(ge, mid, l), torch.where(ge, h, mid), torch.where(ge, cnt, c_lo)
+        if it % 4 == 3 or it == iters - 1:
+            lo[act], hi[act] = l, h
+            keep = c_lo > bud
+            if not bool(keep.any()):
+                break
+            act, a, b, c, bud, l, h, c_lo = (x[keep] for x in (act, a, b, c, bud, l, h, c_lo))
     return lo, hi
 
 

@@ -99,7 +99,7 @@ def leaf_mean(packed: PackedTrees, leaf_values: torch.Tensor) -> torch.Tensor:
     Leaves below g are the pre-order ids g … node_exit[g]; `leaf_nodes` is sorted, so this
     is a difference of prefix sums.
     """
-    ids = torch.arange(packed.num_nodes)
+    ids = torch.arange(packed.num_nodes, device=packed.node_exit.device)
     lo = torch.searchsorted(packed.leaf_nodes, ids, right=False)
     hi = torch.searchsorted(packed.leaf_nodes, packed.node_exit, right=True)
     csum = torch.cat([leaf_values.new_zeros(1), leaf_values.cumsum(0)])  # (L+1,)
@@ -171,7 +171,8 @@ def _anchor_groups(packed: PackedTrees, trees: Sequence[RolloutTree]) -> tuple[t
         key = (ti, "prompt") if plid == 0 else (ti, "obs", obs) if obs else (ti, "node", plid)
         nodes.append(g)
         groups.append(keys.setdefault(key, len(keys)))
-    return torch.tensor(nodes, dtype=torch.long), torch.tensor(groups, dtype=torch.long)
+    dev = packed.node_parent.device
+    return torch.tensor(nodes, dtype=torch.long, device=dev), torch.tensor(groups, dtype=torch.long, device=dev)
 
 
 @ADVANTAGES.register("gigpo")
@@ -206,7 +207,7 @@ def trace_credit(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: Advanta
         raise ValueError(f"node_ell must be (N={packed.num_nodes},), got {tuple(node_ell.shape)}")
     outcome = ADVANTAGES.get(cfg.name)(packed, trees, cfg)
     R = node_turn_credit(packed, node_ell, credit.epsilon, credit.gamma_td, credit.lookahead_turns)
-    ids = torch.arange(packed.num_nodes)
+    ids = torch.arange(packed.num_nodes, device=packed.node_exit.device)
     is_final = (packed.node_exit == ids) & (packed.node_parent >= 0)  # (N,) leaves: last turns
     node_adv = mix_turn_advantages(R, outcome.node_advantage, is_final, credit.mixing, credit.beta)
     return _to_tokens(packed, node_adv, cfg)

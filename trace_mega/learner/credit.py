@@ -103,8 +103,8 @@ def path_nodes(packed: PackedTrees) -> torch.Tensor:
     """(L, D+1) global node id at each depth of every root-to-leaf path, −1 beyond the leaf."""
     leaves = packed.leaf_nodes
     D = int(packed.node_depth.max()) if packed.num_nodes else 0
-    out = torch.full((leaves.numel(), D + 1), -1, dtype=torch.long)
-    rows = torch.arange(leaves.numel())
+    out = torch.full((leaves.numel(), D + 1), -1, dtype=torch.long, device=leaves.device)
+    rows = torch.arange(leaves.numel(), device=leaves.device)
     anc = leaves.clone()
     for _ in range(D + 1):  # one ancestor per step, all paths at once
         live = anc >= 0
@@ -136,11 +136,11 @@ def node_turn_credit(packed: PackedTrees, node_ell: torch.Tensor, epsilon: float
     For the path through node g at depth d ≥ 1 (turn k = d − 1):
         R_path(g) = Σ_{j=0}^{h−1} γ^j δ(node at depth d + j on that path).
     """
-    delta = node_td_rewards(packed, node_ell.to(torch.float32), epsilon)  # (N,)
+    delta = node_td_rewards(packed, node_ell.to(packed.node_parent.device, torch.float32), epsilon)  # (N,)
     nodes = path_nodes(packed)  # (L, D+1)
     valid = nodes >= 0
     dp = torch.where(valid, delta[nodes.clamp(min=0)], 0.0)  # (L, D+1); depth 0 (root) is 0
     R = lookahead_returns(dp, gamma, horizon)  # (L, D+1), padding contributes 0
     R[:, 0] = 0.0  # the root is the prompt, not a turn
-    total = torch.zeros(packed.num_nodes, dtype=R.dtype).index_add(0, nodes[valid], R[valid])
+    total = R.new_zeros(packed.num_nodes).index_add(0, nodes[valid], R[valid])
     return total / packed.node_leaf_count.clamp(min=1).to(R.dtype)

@@ -105,12 +105,13 @@ def path_token_index(packed: PackedTrees) -> torch.Tensor:
     g = nodes.clamp(min=0)
     lens = torch.where(nodes >= 0, packed.node_end[g] - packed.node_start[g], 0).reshape(-1)  # (P*(D+1),)
     row_len = lens.view(P, D1).sum(1)  # (P,)
-    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)  # (Σ,) segment of every path token
-    pos = torch.arange(seg.numel())
+    dev = nodes.device
+    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), lens)  # (Σ,) segment of every path token
+    pos = torch.arange(seg.numel(), device=dev)
     stream = packed.node_start[g.reshape(-1)][seg] + pos - (lens.cumsum(0) - lens)[seg]
     row = seg // D1
     col = pos - (row_len.cumsum(0) - row_len)[row]
-    out = torch.full((P, int(row_len.max()) if P else 0), -1, dtype=torch.long)
+    out = torch.full((P, int(row_len.max()) if P else 0), -1, dtype=torch.long, device=dev)
     out[row, col] = stream
     return out
 

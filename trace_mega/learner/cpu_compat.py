@@ -193,6 +193,10 @@ def _patch_streams() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
+def _patch_synchronize() -> None:
+    torch.cuda.synchronize = lambda device=None: None
+
+
 # -------------------------------------------------------------- MoE alltoall
 def _patch_alltoall_splits() -> None:
     from megatron.core.transformer.moe import token_dispatcher
@@ -246,6 +250,13 @@ PATCHES: tuple[Patch, ...] = (
         "torch.cuda.Stream, Event, current_stream, stream",
         "RuntimeError: torch.cuda.Stream requires CUDA support (MoE alltoall dispatcher)",
         _patch_streams,
+    ),
+    Patch(
+        "cuda_synchronize",
+        "torch.cuda.synchronize",
+        "AssertionError: Torch not compiled with CUDA enabled (pipeline p2p shape exchange "
+        "with variable_seq_lengths, p2p_communication._communicate_shapes)",
+        _patch_synchronize,
     ),
     Patch(
         "alltoall_split_sizes",

@@ -74,7 +74,7 @@ def build_optimizer(
         params_dtype=model_config.params_dtype,
         use_distributed_optimizer=chunks[0].ddp_config.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, chunks, pg_collection=groups.pgs)
+    optimizer = get_megatron_optimizer(opt_config, chunks, use_gloo_process_groups=False, pg_collection=groups.pgs)
     # The schedule helpers read these from the model config.
     model_config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=groups.pgs)
     model_config.no_sync_func = chunks[0].no_sync

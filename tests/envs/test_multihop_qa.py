@@ -161,3 +161,25 @@ def test_bad_options():
             MultiHopQAEnv(**kwargs)
     with pytest.raises(ValueError, match="unknown QA format"):
         load_qa(str(DATA / "questions.jsonl"), "squad")
+
+
+def test_dense_retriever_pipeline_with_a_tiny_local_encoder(tmp_path):
+    """E5-style pooling + FAISS search end to end on CPU with a random tiny BERT (runs where
+    faiss is installed, e.g. with the gpu extra; the retrieval quality of E5 is not tested)."""
+    pytest.importorskip("faiss")
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    passages = load_corpus(DATA / "corpus.jsonl")
+    words = {w.strip(".,:;()'\"").lower() for p in passages for w in f"{p.title} {p.text}".split()}
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "query", "passage", *sorted(w for w in words if w)]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab))
+    BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=64)).save_pretrained(tmp_path)
+    retriever = DenseRetriever(passages, model=str(tmp_path), device="cpu")
+    hits = retriever.search("Halvard lamp", 5)
+    scores = [s for _, s in hits]
+    assert len(hits) == 5 and scores == sorted(scores, reverse=True)
+    assert all(-1.0001 <= s <= 1.0001 for s in scores) and {p for p, _ in hits} <= set(passages)

@@ -162,11 +162,14 @@ class DenseRetriever:
         self.torch, self.device, self.batch_size = torch, device, batch_size
         self.passages = list(passages)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModel.from_pretrained(model, torch_dtype=torch.float16).to(device).eval()
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        self.model = AutoModel.from_pretrained(model, dtype=dtype).to(device).eval()
         vectors = self._encode([f"passage: {p.title}. {p.text}" for p in self.passages])
         index = faiss.IndexFlatIP(vectors.shape[1])
-        if hasattr(faiss, "StandardGpuResources"):
-            index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
+        self._gpu_resources = None  # must outlive the GPU index
+        if hasattr(faiss, "StandardGpuResources") and device.startswith("cuda"):
+            self._gpu_resources = faiss.StandardGpuResources()
+            index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
         index.add(vectors)
         self.index = index
         self._lock = threading.Lock()

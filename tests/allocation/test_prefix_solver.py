@@ -113,6 +113,16 @@ def test_edge_cases_and_ties():
                              torch.tensor([3])).shape == (0,)
 
 
+def test_max_group_size_bound():
+    rng = np.random.default_rng(3)
+    v, r, group = torch.tensor(rng.random(20)), torch.tensor(rng.integers(0, 2, 20)), torch.tensor(rng.integers(0, 3, 20))
+    budget = torch.tensor([4, 7, 2])
+    ref = allocate_prefixes(v, r, group, budget)
+    assert torch.equal(allocate_prefixes(v, r, group, budget, max_group_size=20, check=False), ref)  # a loose bound
+    with pytest.raises(ValueError, match="max_group_size"):
+        allocate_prefixes(v, r, group, budget, max_group_size=2)
+
+
 def test_large_budget_and_unordered_groups():
     rng = np.random.default_rng(9)
     P, G = 60, 7

@@ -53,6 +53,7 @@ def allocate_prefixes(
     pool: Literal["group", "global"] = "group",
     check: bool = True,
     backend: str = "torch",
+    max_group_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Exact continuation counts K (LongTensor[P], on v's device); see the module doc.
 
@@ -66,6 +67,10 @@ def allocate_prefixes(
         pool: "group" (per-prompt budgets) or "global" (one shared budget).
         check: validate v, r, group and budget (host syncs). Pass False on the GPU hot path.
         backend: "torch" (tensor program) or "triton" (kernels.allocation kernel).
+        max_group_size: an upper bound on the prefixes of one group (e.g.
+            max_rollouts * (turns - 1)). None reads the largest group back to the
+            host once. With it, check=False runs with no host sync. Ignored
+            with pool="global", where the one group is all P prefixes.
     """
     if v.dim() != 1 or r.shape != v.shape or group.shape != v.shape:
         raise ValueError(f"v, r, group must be 1-D of one shape; got {tuple(v.shape)}, {tuple(r.shape)}, {tuple(group.shape)}")
@@ -76,6 +81,7 @@ def allocate_prefixes(
         total = budget.sum() if isinstance(budget, torch.Tensor) else torch.tensor(int(budget))
         bud = total.to(device=dev, dtype=torch.long).reshape(1)
         grp = torch.zeros_like(group, dtype=torch.long)
+        max_group_size = v.numel()
     elif pool == "group":
         if not isinstance(budget, torch.Tensor) or budget.dim() != 1:
             raise ValueError("pool='group' needs budget as a 1-D tensor (G,) of per-prompt budgets")
@@ -91,8 +97,10 @@ def allocate_prefixes(
             raise ValueError("budget must be >= 0")
         if grp.numel() and (int(grp.min()) < 0 or int(grp.max()) >= bud.numel()):
             raise ValueError(f"group indices must lie in [0, {bud.numel()}) (one budget per group)")
+        if max_group_size is not None and grp.numel() and int(torch.bincount(grp).max()) > max_group_size:
+            raise ValueError(f"a group has more than max_group_size = {max_group_size} prefixes")
     flip = flip_probability(v.to(torch.float64), r)  # (P,) 1 - q
     cap = bud[grp]  # (P,) a prefix never needs more than its group's budget
     if max_per_prefix is not None:
         cap = torch.clamp(cap, max=max_per_prefix)
-    return segmented_threshold(flip, grp, bud, cap, backend=backend)
+    return segmented_threshold(flip, grp, bud, cap, backend=backend, max_group_size=max_group_size)

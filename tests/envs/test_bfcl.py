@@ -177,3 +177,19 @@ def test_ground_truth_calls_pass_the_react_parser_against_the_env_schemas():
                 else:
                     assert parsed.tool_calls[0].arguments == call.arguments
     assert total > 1000 and rejected == [("multi_turn_base_173", "close_ticket")]
+
+
+def test_splits_and_bad_names():
+    env = BFCLMultiTurnEnv(categories=("base", "miss_param"), max_tasks_per_category=20)
+    train, held, test = env.tasks("train"), env.tasks("heldout"), env.tasks("test")
+    assert len(test) == 40 and len(held) == 8 and len(train) == 32
+    assert {t.task_id for t in train}.isdisjoint(t.task_id for t in held)
+    assert all(int(t.task_id.rsplit("_", 1)[1]) % 5 == 0 for t in held)
+    with pytest.raises(ValueError):
+        env.tasks("validation")
+    with pytest.raises(ValueError):
+        BFCLMultiTurnEnv(categories=("composite",)).tasks()
+    state = env.reset(test[0])
+    bad = env.step(state, ToolCall("cd", {"not-an-identifier": "x"}))
+    assert bad.startswith("Error during execution: argument names")
+    assert state.data["turn_calls"] == [[]]

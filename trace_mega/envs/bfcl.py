@@ -302,9 +302,11 @@ class BFCLMultiTurnEnv(Env):
         methods = method_table(data["instances"])
         method = methods.get(call.name)
         source = _call_string(call)
-        if method is None or source is None:
+        if method is None:
             # What the official executor's eval reports for such a call; it changes no state.
             return f"Error during execution: name '{call.name}' is not defined"
+        if source is None:
+            return "Error during execution: argument names must be identifiers and values JSON literals"
         data["turn_calls"][data["turn"]].append(source)
         if call.name in ("kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"):
             return f"Error during execution: Function call {call.name} is not allowed."

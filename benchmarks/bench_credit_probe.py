@@ -3,8 +3,9 @@
 A trajectory of T tokens (prompt, K tool turns, a final answer turn) is probed at its
 K + 1 boundaries S_0 … S_K with `template + y*`:
 
-* packed   — `trace_mega.learner.probe.reference_probe`: the trajectory plus K + 1 probe
-  leaves in one stream with the tree mask, T + (K+1)·|probe| tokens, one forward;
+* packed   — `trace_mega.learner.probe.reference_probe`: the trajectory (less its final
+  answer turn, which no probe needs) plus K + 1 probe leaves in one stream with the tree
+  mask, |S_K| + (K+1)·|probe| tokens, one forward;
 * separate — the obvious baseline: K + 1 causal forwards over S_k + template + y*,
   Σ_k (|S_k| + |probe|) tokens.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from trace_mega.learner.probe import answer_token_ids, hf_packed_forward, reference_probe
+from trace_mega.learner.probe import answer_token_ids, build_probe_batch, hf_packed_forward, reference_probe
 from trace_mega.rollout.tree import Node, RolloutTree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,8 +101,8 @@ def run(T: int, answer_len: int, ks: list[int], repeats: int, vocab: int, hidden
     rows = []
     for K in ks:
         tree, tokenize = make_trajectory(T, K, answer_len, vocab, seed=K)
-        probe_len = TEMPLATE_LEN + answer_len
-        packed_tokens = sum(len(n.token_ids) for n in tree.nodes) + (K + 1) * probe_len
+        answers = [answer_token_ids(tokenize, "T", tree.gold_answer)]
+        packed_tokens = build_probe_batch([tree], answers).packed.num_tokens
         ell_packed = reference_probe(fwd, [tree], tokenize, "T").ell[0]
         ell_packed = ell_packed[~torch.isnan(ell_packed)]
         ell_sep, sep_tokens = separate_probe(model, tree, tokenize)

@@ -93,14 +93,17 @@ def test_probe_batch_layout():
     assert K == [5, 4]  # a: root, x, x's tool child, y, the cut-off leaf; b: root and its three tool turns
     plain = pack(trees)
     probe_len = [len(tm) + len(gd) for tm, gd in answers]
-    assert batch.packed.num_tokens == plain.num_tokens + sum(k * n for k, n in zip(K, probe_len))
+    final_tokens = sum(len(n.token_ids) for t in trees for n in t.nodes if n.kind == "final")
+    assert final_tokens > 0  # final-answer turns are dropped: no probe hangs below them
+    assert batch.packed.num_tokens == plain.num_tokens - final_tokens + sum(k * n for k, n in zip(K, probe_len))
     assert len(batch.boundary) == batch.probe_node.numel() == sum(K)
     assert int(batch.packed.loss_mask.sum()) == sum(k * len(gd) for k, (_, gd) in zip(K, answers))
-    # each probe node is a leaf whose parent is its boundary node
-    for g, (ti, lid) in zip(batch.probe_node.tolist(), batch.boundary):
-        parent = int(batch.packed.node_parent[g])
-        assert batch.packed.node_local[parent] == (ti, lid)
-        assert int(batch.packed.node_exit[g]) == g
+    # each probe node is a leaf below its boundary: the path to it is S_k + template + gold
+    P = batch.packed
+    for g, (ti, lid), (tm, gd) in zip(batch.probe_node.tolist(), batch.boundary,
+                                      [answers[ti] for ti, _ in batch.boundary]):
+        assert P.tokens[P.path_token_indices(g)].tolist() == trees[ti].prefix_token_ids(lid) + tm + gd
+        assert int(P.node_exit[g]) == g
     assert len(trees[0]) == 8 and trees[0].nodes[6].children == []  # the originals are untouched
 
 

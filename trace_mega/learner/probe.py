@@ -6,10 +6,11 @@ For a boundary S_k (the prompt, or the history after a non-final turn) the probe
 
 Scoring K boundaries of one trajectory separately costs K forwards over ever longer
 contexts (Σ_k |S_k| + K·|probe| ≈ K·T/2 tokens). Instead every boundary node of the
-rollout tree gets one extra child node holding `template + y*`; the tree is packed
-as usual (docs/PACKING.md), so each probe copy attends only to its own prefix (the
-tree attention rule), and one forward over T + K·|probe| tokens gives every ℓ̄ as the
-mean log-prob of the gold tokens of its probe node. The boundaries of a tree are
+rollout tree gets one extra child node holding `template + y*`; the tree (without its
+final-answer turns, which no probe needs) is packed as usual (docs/PACKING.md), so each
+probe copy attends only to its own prefix (the tree attention rule), and one forward
+over ≤ T + K·|probe| tokens gives every ℓ̄ as the mean log-prob of the gold tokens of
+its probe node. The boundaries of a tree are
 nodes, so a prefix shared by several trajectories is scored once, not once per path.
 
 Model interface (`PackedForward`): `fn(tokens, position_ids, token_node,
@@ -71,9 +72,11 @@ class ProbeBatch:
 
 
 def build_probe_batch(trees: Sequence[RolloutTree], answers: Sequence[tuple[list[int], list[int]]]) -> ProbeBatch:
-    """Copies of `trees` with a `template + gold` child under every boundary node, packed.
+    """The boundary nodes of `trees`, each with a `template + gold` leaf child, packed.
 
-    `answers[i]` = (template ids, gold ids) of tree i (see `answer_token_ids`).
+    `answers[i]` = (template ids, gold ids) of tree i (see `answer_token_ids`). Final-answer
+    turns are leaves after which no boundary lies, so no probe needs them and they are
+    left out: the stream holds every boundary prefix once plus one probe per boundary.
     """
     if len(answers) != len(trees):
         raise ValueError(f"{len(trees)} trees but {len(answers)} answers")
@@ -81,26 +84,33 @@ def build_probe_batch(trees: Sequence[RolloutTree], answers: Sequence[tuple[list
     for ti, (tree, (tmpl, gold)) in enumerate(zip(trees, answers)):
         if not gold:
             raise ValueError(f"tree {tree.prompt_id!r}: empty gold answer")
+        keep = boundary_nodes(tree)
+        new_id = {old: new for new, old in enumerate(keep)}
+        if any(tree.nodes[i].children for i in range(len(tree)) if i not in new_id):
+            raise ValueError(f"tree {tree.prompt_id!r}: a final-answer turn has children")
         t = copy.copy(tree)
-        t.nodes = [copy.copy(n) for n in tree.nodes]
+        t.nodes = []
+        for old in keep:
+            n = copy.copy(tree.nodes[old])
+            n.parent = new_id.get(n.parent, -1)
+            n.children = [new_id[c] for c in n.children if c in new_id] + [len(keep) + len(t.nodes)]
+            t.nodes.append(n)
         ids = tmpl + gold
-        for b in boundary_nodes(tree):
-            node = Node(b, list(ids), [0] * len(tmpl) + [1] * len(gold), [0.0] * len(ids),
-                        kind="final", reward=0.0)
-            t.nodes[b].children = t.nodes[b].children + [len(t.nodes)]  # not add_node: leaves may be terminal
-            owner[(ti, len(t.nodes))] = b
-            t.nodes.append(node)
+        for old in keep:  # probe leaves get local ids len(keep) ... in the same order
+            owner[(ti, len(t.nodes))] = old
+            t.nodes.append(Node(new_id[old], list(ids), [0] * len(tmpl) + [1] * len(gold), [0.0] * len(ids),
+                                kind="final", reward=0.0))
         probe_trees.append(t)
     packed = pack(probe_trees)
-    # The trees' own tokens are not scored: only the gold tokens of the probe nodes.
+    # Only the gold tokens of the probe nodes are scored, never the trees' own tokens.
     probe_g, boundary = [], []
     for g, key in enumerate(packed.node_local):
         if key in owner:
             probe_g.append(g)
             boundary.append((key[0], owner[key]))
-    keep = torch.zeros(packed.num_nodes, dtype=torch.bool)
-    keep[probe_g] = True
-    packed.loss_mask = packed.loss_mask & keep[packed.token_node]
+    scored = torch.zeros(packed.num_nodes, dtype=torch.bool)
+    scored[probe_g] = True
+    packed.loss_mask = packed.loss_mask & scored[packed.token_node]
     return ProbeBatch(packed, torch.tensor(probe_g, dtype=torch.long), boundary)
 
 
@@ -163,8 +173,8 @@ def reference_probe(model: PackedForward, trees: Sequence[RolloutTree], tokenize
         if tree.gold_answer is None:
             raise ValueError(f"tree {tree.prompt_id!r} has no gold_answer to probe")
         answers.append(answer_token_ids(tokenize, answer_template, tree.gold_answer))
-    sizes = [sum(len(n.token_ids) for n in t.nodes) + len(boundary_nodes(t)) * sum(map(len, a))
-             for t, a in zip(trees, answers)]
+    sizes = [sum(len(t.nodes[b].token_ids) + sum(map(len, a)) for b in boundary_nodes(t))
+             for t, a in zip(trees, answers)]  # probe-stream tokens of each tree
     ell = [torch.full((len(t),), float("nan")) for t in trees]
     for group in _chunks(trees, sizes, max_tokens):
         batch = build_probe_batch([trees[i] for i in group], [answers[i] for i in group])

@@ -118,8 +118,8 @@ class ModelConfig:
     """KV heads (GQA)."""
     head_dim: int = 16
     """Channels per head (kv_channels)."""
-    vocab_size: int = 64
-    """Vocabulary size (padded to a multiple of the TP size internally)."""
+    vocab_size: Optional[int] = 64
+    """Vocabulary size (padded to a multiple of the TP size internally); None: the tokenizer's size."""
     max_position_embeddings: int = 1024
     """Longest sequence RoPE is built for."""
     rotary_base: float = 10000.0

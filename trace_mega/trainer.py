@@ -46,12 +46,16 @@ _FALLBACK = {"trace": "treepo", "trace_global": "treepo", "pcl": "uniform"}
 
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
+        self.env = build_env(cfg.env.name, **cfg.env.options)
+        self.tasks = self.env.tasks("train")
+        self.tokenizer = self._tokenizer(cfg)
+        if cfg.model.vocab_size is None:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=len(self.tokenizer)))
+        elif cfg.model.hf_checkpoint is None and len(self.tokenizer) > cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer size {len(self.tokenizer)}")
         self.cfg = cfg
         self.learner = Learner(cfg)
         self.is_main = self.learner.groups.rank == 0
-        self.env = build_env(cfg.env.name, **cfg.env.options)
-        self.tasks = self.env.tasks("train")
-        self.tokenizer = self._tokenizer()
         self.scaffold = ReactScaffold(self.tokenizer)
         self.engine = self._engine() if self.is_main else None
         self.agent = (AgentLoop(self.env, self.engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s)
@@ -105,6 +109,7 @@ class Trainer:
                     self._sync_weights()
             metrics |= tree_metrics(packed) | self._rollout_metrics() | timer.seconds | self.gpu.sample()
             metrics |= {"alloc/fallback": float(allocator is self.fallback), "data/prompt_hash": _hash(tasks)}
+            # NaN (no previous fit to compare with) never triggers the fallback.
             self.use_fallback = cfg.predictor.fallback_to_uniform and metrics.get("predictor/skill", 0.0) < 0.0
             self.sink.log(step, metrics, tag=f"[{allocator.name}] ")
             self.step = step + 1
@@ -153,16 +158,15 @@ class Trainer:
                 "rollout/tool_calls": s.tool_calls, "rollout/parse_errors": s.parse_errors,
                 "rollout/tool_timeouts": s.tool_timeouts, "rollout/truncated": s.truncated_episodes}
 
-    def _tokenizer(self):
-        if self.cfg.model.hf_checkpoint:
+    def _tokenizer(self, cfg: TrainConfig):
+        """The checkpoint's tokenizer, else the one the environment ships (synthetic envs)."""
+        if cfg.model.hf_checkpoint:
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(self.cfg.model.hf_checkpoint)
+            return AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         tok = getattr(self.env, "tokenizer", None)
         if tok is None:
-            raise ValueError(f"environment {self.cfg.env.name!r} ships no tokenizer: set model.hf_checkpoint")
-        if len(tok) > self.learner.model_cfg.vocab_size:
-            raise ValueError(f"model.vocab_size {self.learner.model_cfg.vocab_size} < tokenizer size {len(tok)}")
+            raise ValueError(f"environment {cfg.env.name!r} ships no tokenizer: set model.hf_checkpoint")
         return tok
 
     def _engine(self) -> Engine:

@@ -34,20 +34,12 @@ from trace_mega.learner.attention import tree_attention_mask
 from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trace_mega.learner.convert import export_hf, load_hf_into
 from trace_mega.learner.logprobs import packed_token_logprobs
-from trace_mega.learner.losses import compute_loss, unit_count
+from trace_mega.learner.losses import aggregation_mode, compute_loss, unit_count
 from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight, unwrap
 from trace_mega.learner.optim import build_optimizer, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
 from trace_mega.learner.probe import ProbeResult, megatron_packed_forward, reference_probe
 from trace_mega.rollout.tree import PackedTrees, RolloutTree, pack
-
-# The unit each loss aggregates over when LossConfig.aggregation is None (losses.py).
-_LOSS_UNIT = {"dapo": "token_mean", "gspo": "sequence_mean"}
-
-
-def loss_unit(cfg) -> str:
-    return _LOSS_UNIT.get(cfg.name, cfg.aggregation or "token_mean")
-
 
 def resolve_model_config(cfg: TrainConfig):
     """The `ModelConfig` in force: from the HF checkpoint's config.json when one is given."""
@@ -184,7 +176,7 @@ class Learner:
         """One optimiser step over `trees` (whose pack `packed` carries the advantages)."""
         if packed.advantages is None:
             raise ValueError("run an advantage estimator on `packed` first")
-        unit = loss_unit(self.cfg.loss)
+        unit = aggregation_mode(self.cfg.loss)
         batches = []
         for mb in self._micro_batches(trees, packed):
             ids, pos, mask = self._inputs(mb)

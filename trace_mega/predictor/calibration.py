@@ -16,7 +16,7 @@ class Calibration:
     brier: float
     """Mean squared error of the predictions against the (soft) targets."""
     brier_constant: float
-    """Brier score of the best constant predictor (the target mean): the bar to beat."""
+    """Brier score of the constant predictor (`constant`, default the targets' own mean): the bar to beat."""
     ece: float
     """Expected calibration error: bin-mass-weighted |mean prediction - mean target|."""
     bin_confidence: list[float]
@@ -35,8 +35,13 @@ class Calibration:
         return 1.0 - self.brier / self.brier_constant
 
 
-def calibration(pred: torch.Tensor, target: torch.Tensor, num_bins: int = 10) -> Calibration:
-    """Calibration of predictions `pred` (N,) in [0, 1] against targets (N,) in [0, 1]."""
+def calibration(pred: torch.Tensor, target: torch.Tensor, num_bins: int = 10,
+                constant: float | None = None) -> Calibration:
+    """Calibration of predictions `pred` (N,) in [0, 1] against targets (N,) in [0, 1].
+
+    `constant` is the constant predictor to compare with; the default, the
+    targets' own mean, is the best constant in hindsight (an oracle bar).
+    """
     pred = pred.detach().double().flatten()
     target = target.detach().double().flatten()
     if pred.shape != target.shape:
@@ -45,7 +50,8 @@ def calibration(pred: torch.Tensor, target: torch.Tensor, num_bins: int = 10) ->
     if n == 0:
         return Calibration(0.0, 0.0, 0.0, [], [], [], 0)
     brier = torch.mean((pred - target) ** 2).item()
-    brier_const = torch.mean((target - target.mean()) ** 2).item()
+    const = target.mean() if constant is None else torch.tensor(float(constant), dtype=torch.float64)
+    brier_const = torch.mean((target - const) ** 2).item()
     # Bin b holds predictions in [b/num_bins, (b+1)/num_bins); 1.0 goes to the last bin.
     bins = torch.clamp((pred * num_bins).long(), max=num_bins - 1)
     count = torch.bincount(bins, minlength=num_bins).double()

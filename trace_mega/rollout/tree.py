@@ -14,6 +14,7 @@ gives the equivalent one-row-per-trajectory form.
 from __future__ import annotations
 
 import json
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
@@ -368,18 +369,25 @@ class PackedTrees:
         return self.flattened_num_tokens() / max(1, self.num_tokens)
 
 
+def _buffer_tensor(buf: array, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor copy of an `array` buffer (torch.frombuffer shares memory and rejects empty buffers)."""
+    return torch.frombuffer(buf, dtype=dtype).clone() if len(buf) else torch.zeros(0, dtype=dtype)
+
+
 def pack(trees: list[RolloutTree]) -> PackedTrees:
-    """Lay `trees` out as one depth-first token stream with each node's tokens stored once."""
-    tokens: list[int] = []
-    positions: list[int] = []
-    token_node: list[int] = []
-    prev: list[int] = []
-    loss_mask: list[int] = []
-    logprobs: list[float] = []
+    """Lay `trees` out as one depth-first token stream with each node's tokens stored once.
+
+    The Python loop runs once per node; per-token arrays are filled by C-level
+    buffer extends (tokens, loss mask, log-probs) or derived with tensor ops
+    from per-node values (node ids, positions, previous-token indices).
+    """
+    tokens, loss_mask, logprobs = array("q"), array("b"), array("d")
     node_parent: list[int] = []
     node_exit: list[int] = []
     node_start: list[int] = []
-    node_end: list[int] = []
+    node_len: list[int] = []
+    node_pos: list[int] = []  # position id of the node's first token
+    node_prev: list[int] = []  # stream index of the last token on the path before the node (-1: none)
     node_tree: list[int] = []
     node_depth: list[int] = []
     node_count: list[int] = []
@@ -399,6 +407,7 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
             lid, gparent, depth, last, pos = stack.pop()
             node = tree.nodes[lid]
             gid = len(node_parent)
+            n = len(node.token_ids)
             node_parent.append(gparent)
             node_exit.append(gid)
             node_tree.append(ti)
@@ -407,16 +416,14 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
             node_rsum.append(rsum[lid])
             node_local.append((ti, lid))
             node_start.append(len(tokens))
-            for j, tok in enumerate(node.token_ids):
-                prev.append(last)
-                last = len(tokens)
-                tokens.append(tok)
-                positions.append(pos)
-                pos += 1
-                token_node.append(gid)
-                loss_mask.append(node.loss_mask[j])
-                logprobs.append(node.logprobs[j])
-            node_end.append(len(tokens))
+            node_len.append(n)
+            node_pos.append(pos)
+            node_prev.append(last)
+            tokens.extend(node.token_ids)
+            loss_mask.extend(node.loss_mask)
+            logprobs.extend(node.logprobs)
+            if n:
+                last, pos = len(tokens) - 1, pos + n
             if not node.children and lid != 0:
                 leaf_nodes.append(gid)
                 leaf_reward.append(float(node.reward))
@@ -430,20 +437,28 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
         tree_offset.append(len(node_parent))
 
     long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    lengths = long(node_len)
+    start_t = long(node_start)
     node_exit_t = long(node_exit)
-    token_node_t = long(token_node)
+    T = len(tokens)
+    # (T,) per-token values from per-node ones: a node's tokens are contiguous in the
+    # stream and on its path, so within a node stream offset == position offset.
+    token_node = torch.repeat_interleave(torch.arange(len(node_len)), lengths)
+    stream = torch.arange(T)
+    offset = stream - start_t[token_node]
+    prev = torch.where(offset == 0, long(node_prev)[token_node] if T else stream, stream - 1)
     return PackedTrees(
-        tokens=long(tokens),
-        position_ids=long(positions),
-        token_node=token_node_t,
-        token_node_exit=node_exit_t[token_node_t] if tokens else long([]),
-        prev_index=long(prev),
-        loss_mask=torch.tensor(loss_mask, dtype=torch.bool),
-        behaviour_logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        tokens=_buffer_tensor(tokens, torch.int64),
+        position_ids=long(node_pos)[token_node] + offset if T else long([]),
+        token_node=token_node,
+        token_node_exit=node_exit_t[token_node],
+        prev_index=prev,
+        loss_mask=_buffer_tensor(loss_mask, torch.int8).bool(),
+        behaviour_logprobs=_buffer_tensor(logprobs, torch.float64).float(),
         node_parent=long(node_parent),
         node_exit=node_exit_t,
-        node_start=long(node_start),
-        node_end=long(node_end),
+        node_start=start_t,
+        node_end=start_t + lengths,
         node_tree=long(node_tree),
         node_depth=long(node_depth),
         node_leaf_count=long(node_count),

@@ -21,6 +21,7 @@ def test_unknown_key_names_the_dotted_field():
     "data, pattern",
     [
         ({"steps": "ten"}, r"^steps: expected int"),
+        ({"optim": {"lr": "fast"}}, r"^optim\.lr: expected float, got str"),
         ({"steps": True}, r"^steps: expected int, got bool"),
         ({"model": {"params_dtype": "fp8"}}, r"^model\.params_dtype: 'fp8' is not one of"),
         ({"allocation": {"root_rollouts_per_step": 1}}, r"^allocation\.root_rollouts_per_step: 1 is infeasible"),
@@ -42,8 +43,8 @@ def test_int_is_accepted_for_float_fields_and_optional_none():
 def test_yaml_with_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"steps": 3, "allocation": {"name": "uniform"}}))
-    cfg = load_yaml(TrainConfig, path, ["allocation.name=trace", "optim.lr=0.5", "env.options.n=4"])
-    assert cfg.steps == 3 and cfg.allocation.name == "trace" and cfg.optim.lr == 0.5
+    cfg = load_yaml(TrainConfig, path, ["allocation.name=trace", "optim.lr=1e-2", "env.options.n=4"])
+    assert cfg.steps == 3 and cfg.allocation.name == "trace" and cfg.optim.lr == 0.01
     assert cfg.env.options == {"n": 4}
     with pytest.raises(ConfigError, match="expected key=value"):
         load_yaml(TrainConfig, path, ["steps"])

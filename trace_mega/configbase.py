@@ -27,6 +27,12 @@ def _check_scalar(path: str, tp: Any, value: Any) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        # PyYAML (YAML 1.1) reads `1e-5` (no dot) as a string; accept any float literal.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{path}: expected {tp.__name__}, got bool {value!r}")
     if isinstance(tp, type) and not isinstance(value, tp):

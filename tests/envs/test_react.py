@@ -258,3 +258,18 @@ def test_scaffold_rejects_template_without_content(tok):
     bad.chat_template = "{% for m in messages %}<|im_start|> {{ m.role }}{% endfor %}"
     with pytest.raises(ValueError, match="drops assistant content"):
         ReactScaffold(bad)
+
+
+def test_fuzz_token_sequences_through_scaffold(tok):
+    """2,000 random token-id sequences of the tiny vocabulary (what an untrained policy emits)."""
+    sc = ReactScaffold(tok)
+    rng = random.Random(5)
+    tools = TOOLS[:1]
+    seen = set()
+    for _ in range(2000):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 6))]
+        p = sc.parse(ids, tools, truncated=rng.random() < 0.5)
+        text = sc.decode(ids)
+        assert p.raw == text
+        seen.add(check_well_formed(text, p))
+    assert seen == {"error", "call", "final"}

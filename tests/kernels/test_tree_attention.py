@@ -154,6 +154,16 @@ def test_fp32_matches_sdpa_reference(case):
     _assert_close(got, _ref32(q, k, v, do, tn, te), atol=1e-4, rtol=1e-4)
 
 
+def test_single_node_is_plain_causal_attention():
+    """Independent of tree_mask: one node (token_node = token_node_exit = 0) is causal SDPA."""
+    tn = torch.zeros(2, 37, dtype=torch.long)
+    q, k, v, _ = _qkv(2, 37, 4, 2, 16, seed=21)
+    got = tree_attention_tiled(q, k, v, tn, tn, block_m=16, block_n=32)
+    kk, vv = (x.transpose(1, 2).repeat_interleave(2, dim=1) for x in (k, v))  # (B, Hq, T, D)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=True)
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (4, 2, 64), (4, 1, 16), (4, 1, 64), (2, 1, 40)])
 def test_fp32_gqa_and_head_dims(hq, hkv, d):
     tn, te = _tokens([_chain(14, seed=3), _forest()])  # B=2, different trees per row

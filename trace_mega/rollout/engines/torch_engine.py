@@ -33,7 +33,7 @@ import inspect
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -143,7 +143,7 @@ class TorchEngine(Engine):
 
     def __init__(
         self,
-        model: Union[str, os.PathLike, "object"],
+        model: Any,
         *,
         device: Union[str, torch.device, None] = None,
         dtype: Optional[torch.dtype] = None,

@@ -21,7 +21,9 @@ Episode protocol (BFCL tasks have several user turns):
   gains their schemas.
 * `reward` is the official `multi_turn_checker` (state and response checks after
   every turn) on the calls executed per turn, 0 if the episode stopped before
-  the last turn (BFCL's "force-terminated") or a call timed out.
+  the last turn (BFCL's "force-terminated") or a call timed out. The checker
+  re-executes calls with `eval`; it is only given strings rebuilt here from a
+  method name of the involved classes and `repr`s of literal argument values.
 """
 from __future__ import annotations
 
@@ -365,8 +367,8 @@ def official_check(entry: dict, turn_calls: list[list[str]]) -> dict:
             return checker.multi_turn_checker(
                 decoded, entry["ground_truth"], entry, entry["id"].rsplit("_", 1)[0], model_name
             )
-    except AssertionError as err:  # the checker asserts on mismatched instance sets
-        return {"valid": False, "error_message": str(err)}
+    except Exception as err:  # noqa: BLE001  (e.g. its assertions on mismatched instance sets)
+        return {"valid": False, "error_message": f"{type(err).__name__}: {err}"}
     finally:
         for suffix in ("_eval", "_ground_truth_eval"):
             for class_name in entry["involved_classes"]:

@@ -153,6 +153,10 @@ def test_expand_synthetic_continuations_are_independent_and_keep_prefix_value():
             bits = [int(tree.nodes[m].observation.split()[1]) for m in tree.path(n)[1:]]
             lo = sum(b * 2.0 ** -(k + 1) for k, b in enumerate(bits))
             assert st.data["lo"] == pytest.approx(lo) and st.data["revealed"] == len(bits)
+    for tree, task in zip(trees, env.tasks()):  # the same values from the recorded observations alone
+        for n in tree.intermediate_nodes():
+            obs = [tree.nodes[m].observation for m in tree.path(n)[1:]]
+            assert env.true_value_from_observations(task, obs) == env.true_value(tree.runtime["states"][n])
     first = trees[0].intermediate_nodes()[0]
     loop.expand(trees, [(0, first, 24)], seed=1)
     new_leaves = trees[0].leaves()[2:]
@@ -303,13 +307,24 @@ def test_determinism_jsonl_and_packing_of_loop_trees(tmp_path):
             a, [(0, a[0].intermediate_nodes()[0], 1)])
 
 
+class _Broken(ScriptedEngine):
+    def __init__(self):
+        super().__init__(lambda p, r: [])
+
+    def generate(self, prefixes, sampling):
+        return []
+
+
 def test_bad_arguments():
     env = SyntheticToolsEnv()
-    loop = AgentLoop(env, ScriptedEngine(lambda p, r: []), env.tokenizer, cfg())
-    with pytest.raises(ValueError, match="counts"):
-        loop.rollout(env.tasks()[:2], [1])
-    with pytest.raises(ValueError, match="non-negative"):
-        loop.rollout(env.tasks()[:1], [-1])
+    with AgentLoop(env, ScriptedEngine(lambda p, r: []), env.tokenizer, cfg()) as loop:
+        with pytest.raises(ValueError, match="counts"):
+            loop.rollout(env.tasks()[:2], [1])
+        with pytest.raises(ValueError, match="non-negative"):
+            loop.rollout(env.tasks()[:1], [-1])
+        # an engine that returns nothing for a prefix violates the contract: a clear error, not a hang
+        with pytest.raises(RuntimeError, match="0 completions for 1 prefixes"):
+            AgentLoop(env, _Broken(), env.tokenizer, cfg()).rollout(env.tasks()[:1], [1])
     with pytest.raises(ValueError, match="tool_timeout_s"):
         AgentLoop(env, ScriptedEngine(lambda p, r: []), env.tokenizer, cfg(), tool_timeout_s=0)
 

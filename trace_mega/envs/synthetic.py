@@ -150,8 +150,21 @@ class SyntheticEnv(_SeededEnv):
 
     def true_value(self, state: EpisodeState) -> float:
         """P(success | revealed digits) = P(U < p | U uniform in [lo, lo + width)), for a policy that answers."""
-        p, d = state.task.meta["p"], state.data
-        return min(1.0, max(0.0, (p - d["lo"]) / d["width"]))
+        return self.value_of(state.task.meta["p"], state.data["lo"], state.data["width"])
+
+    @staticmethod
+    def value_of(p: float, lo: float, width: float) -> float:
+        return min(1.0, max(0.0, (p - lo) / width))
+
+    def true_value_from_observations(self, task: Task, observations: list[str]) -> float:
+        """`true_value` of the prefix whose turns showed `observations` (e.g. the `Node.observation`s of a
+        tree path, so trees loaded from JSONL can be scored); observations other than `bit 0|1` reveal nothing."""
+        lo, width = 0.0, 1.0
+        for obs in observations:
+            if obs in ("bit 0", "bit 1"):
+                width /= 2.0
+                lo += width * (obs == "bit 1")
+        return self.value_of(task.meta["p"], lo, width)
 
     def reward(self, state: EpisodeState, final_answer: Optional[str]) -> float:
         if final_answer is None:

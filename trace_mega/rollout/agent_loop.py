@@ -188,7 +188,14 @@ class AgentLoop:
             getattr(tree, "runtime", {}).pop("states", None)
 
     def close(self) -> None:
+        """Stop the tool pool (threads of hung tools are left to finish on their own)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "AgentLoop":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # --- the wave loop ----------------------------------------------------------
     def _run(self, trees: list[RolloutTree], live: list[_Episode], seed: int) -> None:

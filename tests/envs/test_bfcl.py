@@ -38,7 +38,7 @@ def test_ground_truth_replay_scores_one_on_every_task(category_env):
 
 
 def test_dropping_a_call_scores_zero(category_env):
-    tasks = category_env.tasks("test")
+    tasks = category_env.tasks("test")[::2]  # every other task; the full counts are in docs/envs.md
     passed = [t.task_id for t in tasks if replay(category_env, t, corrupt(ground_truth_calls(t), "drop")) != 0.0]
     assert passed == []
 
@@ -47,7 +47,7 @@ def test_altering_an_argument_scores_zero_nearly_always(category_env):
     """A few alterations are legitimately invisible to the official checker (e.g.
     `ls(a=False)` in a directory without hidden files returns the same listing),
     so nearly all, not all, must fail."""
-    tasks = category_env.tasks("test")
+    tasks = category_env.tasks("test")[::2]
     passed = [t.task_id for t in tasks if replay(category_env, t, corrupt(ground_truth_calls(t), "alter")) != 0.0]
     assert len(passed) <= 0.02 * len(tasks), passed
 

@@ -125,3 +125,19 @@ def test_moderate_size_matches_dp():
     v = rng.beta(0.3, 0.3, 40)
     for M in (2, 3, 41, 97, 150):
         _check_exact(v, M, 5)
+
+
+def test_unchecked_path_never_reads_tensors_back(monkeypatch):
+    """check=False with a tensor budget runs without one host read-back (what a GPU sync would be)."""
+    v = torch.rand(40, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    expect = allocate_roots(v, 33, 5)
+    budget = torch.tensor(33)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host read-back of a tensor value")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    out = allocate_roots(v, budget, 5, check=False)
+    monkeypatch.undo()
+    assert torch.equal(out, expect)

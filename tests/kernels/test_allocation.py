@@ -81,6 +81,19 @@ def test_gpu_matches_cpu_and_triton():
     dev = [t.cuda() for t in (flip, *args, cap)]
     assert torch.equal(segmented_threshold(*dev).cpu(), cpu)
     assert torch.equal(segmented_threshold(*dev, backend="triton").cpu(), cpu)
-    from trace_mega.allocation import allocate_roots
+    from trace_mega.allocation import allocate_prefixes, allocate_roots
     vr = torch.tensor(rng.random(1000))
     assert torch.equal(allocate_roots(vr.cuda(), 3001, 8).cpu(), allocate_roots(vr, 3001, 8))
+    # The hot paths with check=False (and a known group bound) never synchronise with the host.
+    pv, pr, pg, pb = (torch.tensor(x).cuda() for x in (v, r, group, budget))
+    width = int(torch.bincount(torch.tensor(group)).max())
+    bud = torch.tensor(3001, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m = allocate_roots(vr.cuda(), bud, 8, check=False)
+        k = allocate_prefixes(pv, pr, pg, pb, check=False, max_group_size=width)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(m.cpu(), allocate_roots(vr, 3001, 8))
+    assert torch.equal(k.cpu(), allocate_prefixes(*(torch.tensor(x) for x in (v, r, group, budget))))

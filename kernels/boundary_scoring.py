@@ -125,6 +125,39 @@ def _cfg():
     return (256, 128, 4) if _INTERPRET else (32, 128, 4)
 
 
+def aot_compile_check(arch=90, dtypes=("bf16", "fp32")):
+    """Compile both GPU kernels for sm_<arch> without a GPU (Triton's bundled ptxas).
+
+    The module must be imported without TRITON_INTERPRET. Returns {name: compiled kernel}.
+    """
+    if _INTERPRET:
+        raise RuntimeError("aot_compile_check needs the module imported without TRITON_INTERPRET")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bp, bh, nw = _cfg()
+    out = {}
+    for dt in dtypes:
+        for fn, consts in ((_fwd_kernel, dict(BLOCK_P=bp, BLOCK_H=bh)),
+                           (_bwd_kernel, dict(NEED_DH=True, NEED_DW=True, BLOCK_P=bp, BLOCK_H=bh))):
+            sig = {}
+            for name in fn.arg_names:
+                if name in consts:
+                    sig[name] = "constexpr"
+                elif name in ("H_ptr", "W_ptr", "B_ptr"):
+                    sig[name] = f"*{dt}"
+                elif name == "POS_ptr":
+                    sig[name] = "*i64"
+                elif name.endswith("_ptr"):
+                    sig[name] = "*fp32"
+                else:
+                    sig[name] = "i32"
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+            out[f"{fn.__name__}[{dt}]"] = triton.compile(
+                src, target=GPUTarget("cuda", arch, 32), options={"num_warps": nw})
+    return out
+
+
 class _BoundaryFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, positions, w, b):

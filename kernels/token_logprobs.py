@@ -225,11 +225,54 @@ def _triton_cfg(dtype, backward):
     if _INTERPRET:
         # few, large program instances: the interpreter's cost is per op per instance
         return 64, 512, 128, True, "ieee", 4
-    # GPU: bf16/fp16 use tensor cores natively; fp32 uses 3xTF32 (close to fp32 accuracy).
-    # Forward: 128-token tiles halve the re-reads of W (every token block streams all of
-    # W); backward: 64-token tiles leave registers for the two output dots. Untuned.
-    prec = "tf32x3" if dtype == torch.float32 else "tf32"
-    return (64 if backward else 128), 128, 64, False, prec, 8
+    # GPU: bf16/fp16 use tensor cores natively; fp32 uses 3xTF32 (close to fp32 accuracy,
+    # three dots per tile, hence the smaller tiles). Chosen (not timed: no GPU was lent)
+    # as the largest sm_90 tiles that compile without register spills -- see
+    # `aot_compile_check` and docs/kernels.md.
+    if dtype == torch.float32:
+        return 64, 64, 32, False, "tf32x3", 8
+    if backward:
+        return 64, 128, 32, False, "tf32", 8
+    return 64, 128, 64, False, "tf32", 8
+
+
+def aot_compile_check(arch=90, dtypes=("bf16", "fp32")):
+    """Compile the GPU configurations of both kernels for sm_<arch> without a GPU.
+
+    Needs Triton's bundled ptxas, and the module imported WITHOUT TRITON_INTERPRET (the
+    interpreter never runs the non-UPCAST code paths). Returns {name: compiled kernel};
+    raises on any compile error.
+    """
+    if _INTERPRET:
+        raise RuntimeError("aot_compile_check needs the module imported without TRITON_INTERPRET")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    out = {}
+    for dt in dtypes:
+        for bwd, fn in ((False, _fwd_stats_kernel), (True, _bwd_kernel)):
+            bt, bv, bh, upcast, prec, nw = _triton_cfg(torch_dt[dt], bwd)
+            for ent in (True, False):
+                consts = dict(WITH_ENT=ent, UPCAST=upcast, PREC=prec,
+                              BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
+                sig = {}
+                for name in fn.arg_names:
+                    if name in consts:
+                        sig[name] = "constexpr"
+                    elif name in ("H_ptr", "W_ptr"):
+                        sig[name] = f"*{dt}"
+                    elif name == "TGT_ptr":
+                        sig[name] = "*i64"
+                    elif name.endswith("_ptr"):
+                        sig[name] = "*fp32"
+                    else:
+                        sig[name] = "fp32" if name == "inv_temp" else "i32"
+                src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+                key = f"{fn.__name__}[{dt},entropy={ent}]"
+                out[key] = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                          options={"num_warps": nw})
+    return out
 
 
 def _stats_triton(hidden, weight, t_local, inv_temp, with_entropy, block_v=None):

@@ -79,6 +79,7 @@ class Trainer:
         steps = range(self.step, cfg.steps)
         for step in tqdm(steps, desc="train", disable=not (self.is_main and cfg.telemetry.progress_bars)):
             timer, gen = PhaseTimer(), torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            stats0 = dataclasses.asdict(self.agent.stats) if self.is_main else {}
             allocator = self.fallback if self.use_fallback else self.allocator
             with timer("step"):
                 tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]   # 1
@@ -107,7 +108,7 @@ class Trainer:
                     metrics |= self.learner.train_step(trees, packed)
                 with timer("weight_sync"):
                     self._sync_weights()
-            metrics |= tree_metrics(packed) | self._rollout_metrics() | timer.seconds | self.gpu.sample()
+            metrics |= tree_metrics(packed) | self._rollout_metrics(stats0) | timer.seconds | self.gpu.sample()
             metrics |= {"alloc/fallback": float(allocator is self.fallback), "data/prompt_hash": _hash(tasks)}
             # NaN (no previous fit to compare with) never triggers the fallback.
             self.use_fallback = cfg.predictor.fallback_to_uniform and metrics.get("predictor/skill", 0.0) < 0.0
@@ -150,13 +151,17 @@ class Trainer:
             for _ in weights:
                 pass
 
-    def _rollout_metrics(self) -> dict[str, float]:
+    def _rollout_metrics(self, before: dict[str, float]) -> dict[str, float]:
+        """This step's agent-loop counters (bare rollouts + continuations)."""
         if not self.is_main:
             return {}
-        s = self.agent.last_stats
-        return {"rollout/generated_tokens": s.generated_tokens, "rollout/prefill_tokens_saved": s.cached_prefix_tokens,
-                "rollout/tool_calls": s.tool_calls, "rollout/parse_errors": s.parse_errors,
-                "rollout/tool_timeouts": s.tool_timeouts, "rollout/truncated": s.truncated_episodes}
+        now = dataclasses.asdict(self.agent.stats)
+        d = {k: now[k] - before[k] for k in now}
+        return {"rollout/generated_tokens": d["generated_tokens"], "rollout/prefill_tokens_saved": d["cached_prefix_tokens"],
+                "rollout/prefix_tokens": d["prefix_tokens"], "rollout/tool_calls": d["tool_calls"],
+                "rollout/parse_errors": d["parse_errors"], "rollout/tool_timeouts": d["tool_timeouts"],
+                "rollout/truncated": d["truncated_episodes"], "rollout/generate_s": d["generate_s"],
+                "rollout/tool_s": d["tool_s"]}
 
     def _tokenizer(self, cfg: TrainConfig):
         """The checkpoint's tokenizer, else the one the environment ships (synthetic envs)."""

@@ -57,7 +57,12 @@ class Trainer:
         self.learner = Learner(cfg)
         self.is_main = self.learner.groups.rank == 0
         self.scaffold = ReactScaffold(self.tokenizer)
-        self.engine = self._engine() if self.is_main else None
+        # vLLM loads its first weights from a directory; a randomly initialised policy is
+        # written once (collective), every later update goes through memory.
+        init_dir = cfg.model.hf_checkpoint
+        if cfg.rollout.engine != "torch" and init_dir is None:
+            init_dir = str(self.learner.save_hf(Path(cfg.telemetry.out_dir) / "hf_init"))
+        self.engine = self._engine(init_dir) if self.is_main else None
         self.agent = (AgentLoop(self.env, self.engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s)
                       if self.is_main else None)
         self.allocator = build_allocator(cfg.allocation)
@@ -174,22 +179,16 @@ class Trainer:
             raise ValueError(f"environment {cfg.env.name!r} ships no tokenizer: set model.hf_checkpoint")
         return tok
 
-    def _engine(self) -> Engine:
+    def _engine(self, init_dir: Optional[str]) -> Engine:
         rc = self.cfg.rollout
         if rc.engine == "torch":
-            engine = TorchEngine(hf_config(self.learner.model_cfg), device=self.learner.groups.device,
-                                 enable_prefix_caching=rc.enable_prefix_caching,
-                                 eos_token_ids=[self.tokenizer.eos_token_id])
-        else:
-            engine = ENGINES.get(rc.engine)(self._initial_hf_dir(), enable_prefix_caching=rc.enable_prefix_caching,
-                                            gpu_memory_utilization=rc.gpu_memory_utilization,
-                                            max_model_len=rc.max_total_tokens, seed=self.cfg.seed)
-        return engine
-
-    def _initial_hf_dir(self) -> str:
-        if self.cfg.model.hf_checkpoint:
-            return self.cfg.model.hf_checkpoint
-        raise ValueError(f"rollout.engine {self.cfg.rollout.engine!r} loads an HF checkpoint: set model.hf_checkpoint")
+            return TorchEngine(hf_config(self.learner.model_cfg), device=self.learner.groups.device,
+                               enable_prefix_caching=rc.enable_prefix_caching,
+                               eos_token_ids=[self.tokenizer.eos_token_id])
+        return ENGINES.get(rc.engine)(init_dir, enable_prefix_caching=rc.enable_prefix_caching,
+                                      gpu_memory_utilization=rc.gpu_memory_utilization,
+                                      max_model_len=rc.max_total_tokens, seed=self.cfg.seed,
+                                      eos_token_ids=[self.tokenizer.eos_token_id])
 
     # --- checkpoints ---------------------------------------------------------------
     def _state(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import torch
 from trace_mega.config import TrainConfig
 from trace_mega.learner.attention import tree_attention_mask
 from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trace_mega.learner.convert import export_hf, load_hf_into
+from trace_mega.learner.convert import export_hf, load_hf_into, save_hf
 from trace_mega.learner.logprobs import packed_token_logprobs
 from trace_mega.learner.losses import aggregation_mode, compute_loss, unit_count
 from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight, unwrap
@@ -219,6 +219,11 @@ class Learner:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of the policy (collective over TP/EP: every rank must iterate)."""
         return export_hf(self.chunks[0], self.groups)
+
+    def save_hf(self, out_dir: str | Path) -> Path:
+        """Write the policy as an HF checkpoint (safetensors + config.json); collective."""
+        save_hf(self.chunks[0], self.groups, out_dir, hf_config(self.model_cfg))
+        return Path(out_dir)
 
     def save(self, root: str | Path, step: int, trainer_state: dict[str, Any]) -> Path:
         return save_checkpoint(root, step, self.chunks, self.optimizer, self.scheduler, self.groups, trainer_state)

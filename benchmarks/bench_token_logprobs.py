@@ -45,9 +45,11 @@ def analytic_bytes(method, mode, T, V, H, eb, chunk):
             return fwd
         # backward: saved log-probs + gather's dense grad + log-softmax grad (+ cast), grads
         return 3 * T * V * f4 + (T * V * eb if eb != 4 else 0) + (T + V) * H * eb
-    grads = (T + V) * H * (f4 + eb) if mode == "fwd_bwd" else 0  # fp32 accumulators + casts
     if method == "fused_triton":
-        return 4 * T * f4 + grads  # (4, T) statistics only
+        # (4, T) statistics; backward: fp32 atomic accumulators for dh, dW + their casts
+        return 4 * T * f4 + ((T + V) * H * (f4 + eb) if mode == "fwd_bwd" else 0)
+    # torch path: fp32 dh accumulator + cast; dW written per chunk in the weight dtype
+    grads = T * H * (f4 + eb) + V * H * eb if mode == "fwd_bwd" else 0
     up = T * H * f4 if eb != 4 else 0  # fp32 copy of hidden
     # one (T, chunk) fp32 buffer in the forward, two in the backward (in-place ops)
     return up + (2 if mode == "fwd_bwd" else 1) * T * chunk * f4 + chunk * H * f4 + grads

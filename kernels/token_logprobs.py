@@ -353,12 +353,16 @@ def _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk):
 
 
 def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk):
-    """(dhidden (T, H), dweight (V, H)) fp32; two (T, chunk) fp32 buffers live at most."""
+    """(dhidden (T, H) fp32, dweight (V, H) in weight.dtype); two (T, chunk) fp32 buffers.
+
+    Each chunk's dweight rows are complete after one chunk, so they are written straight
+    in the weight's dtype (no (V, H) fp32 accumulator, unlike the atomics of the kernel).
+    """
     T, HD = hidden.shape
     V = weight.shape[0]
     h = hidden.float()  # (T, H)
     dh = torch.zeros(T, HD, device=hidden.device)
-    dw = torch.empty(V, HD, device=hidden.device)
+    dw = torch.empty(V, HD, device=hidden.device, dtype=weight.dtype)
     rows = torch.arange(T, device=hidden.device)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
@@ -381,7 +385,10 @@ def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
         if inv_temp != 1.0:
             dz.mul_(inv_temp)
         dh.addmm_(dz, w)
-        torch.mm(dz.t(), h, out=dw[v0:v1])
+        if dw.dtype == torch.float32:
+            torch.mm(dz.t(), h, out=dw[v0:v1])
+        else:
+            dw[v0:v1] = dz.t() @ h  # (C, H) fp32 -> weight dtype
         del dz, p
     return dh, dw
 

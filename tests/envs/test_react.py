@@ -67,6 +67,20 @@ def test_call_variants():
     assert p.final_answer == "1" and "print(1)" in p.thought
 
 
+def test_think_blocks_are_reasoning_only():
+    # tags and JSON inside <think> are never actions
+    text = '<think>maybe <tool_call>{"name": "fly", "arguments": {}}</tool_call>? Final answer: no</think>\n' + call(
+        "move", {"dir": "right"})
+    p = parse_turn(text, TOOLS)
+    assert p.error is None and [c.name for c in p.tool_calls] == ["move"] and p.thought.startswith("maybe <tool_call>")
+    # Qwen3 thinking models: the prompt ends with <think>, the generation starts inside it
+    p = parse_turn("step by step\n</think>\n\nSo.\n<answer>4</answer>", TOOLS)
+    assert p.final_answer == "4" and p.thought == "step by step\nSo."
+    assert "without a matching <think>" in parse_turn("<think>a</think>b</think>" + call("move", {"dir": "left"}), TOOLS).error
+    assert "no tool call or final answer" in parse_turn("<think>only thinking</think>", TOOLS).error
+    assert "truncated" in parse_turn("<think>long reasoning that never", TOOLS, truncated=True).error
+
+
 def test_final_answers():
     assert parse_turn("so <answer> Paris </answer>", TOOLS).final_answer == "Paris"
     p = parse_turn("Reasoning done.\nFinal answer: 42\n", TOOLS)

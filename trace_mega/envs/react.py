@@ -12,8 +12,11 @@ Turn format the parser accepts (documented in docs/rollout.md):
   ``parameters`` is accepted as its alias.
 * A final answer: ``<answer>…</answer>`` or a line starting with
   ``Final answer:`` (the rest of the text is the answer).
-* Anything before the action is the thought; ``<think>…</think>`` tags are
-  stripped from it.
+* Anything before the action is the thought. ``<think>…</think>`` blocks are
+  reasoning: their content joins the thought and tags or JSON inside them are
+  never read as actions. A leading ``…</think>`` without an opening tag (the
+  generation prompt of Qwen3 thinking models ends with ``<think>``) is
+  reasoning too.
 
 A turn with both an explicit tool call (tags or a fence) and a final answer,
 with neither, or with a malformed call (bad JSON, unknown tool, arguments that
@@ -226,15 +229,30 @@ def _bare_json_call(text: str) -> tuple[Optional[list[ToolCall]], int]:
     return None, -1
 
 
-def _clean_thought(text: str) -> str:
-    return THINK_RE.sub("", text).strip()
+def _split_think(text: str, truncated: bool) -> tuple[str, str]:
+    """(reasoning inside <think> blocks, the rest of the text with those blocks removed)."""
+    first = THINK_RE.search(text)
+    if first is None:
+        return "", text
+    reasoning, rest = [], text
+    if first.group() == "</think>":  # the opening tag was part of the prompt
+        reasoning.append(text[: first.start()])
+        rest = text[first.end():]
+    spans, _ = _balanced_blocks(rest, THINK_RE, "think", truncated)
+    body, at = [], 0
+    for a, b in spans:
+        reasoning.append(rest[a:b])
+        body.append(rest[at: a - len("<think>")])
+        at = b + len("</think>")
+    body.append(rest[at:])
+    return "\n".join(r.strip() for r in reasoning if r.strip()), "".join(body)
 
 
-def _parse(text: str, tools: list[dict[str, Any]], truncated: bool) -> ParsedTurn:
-    if not text.strip():
+def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool) -> ParsedTurn:
+    if not raw.strip():
         raise _ParseError("empty turn" + (" (generation truncated)" if truncated else "")
                           + ": expected a tool call or a final answer")
-    think_spans, _ = _balanced_blocks(text, THINK_RE, "think", truncated)
+    reasoning, text = _split_think(raw, truncated)
     tool_spans, tool_at = _balanced_blocks(text, TOOL_TAG_RE, "tool_call", truncated)
     answer_spans, answer_at = _balanced_blocks(text, ANSWER_TAG_RE, "answer", truncated)
     final_line = FINAL_LINE_RE.search(text)
@@ -277,7 +295,6 @@ def _parse(text: str, tools: list[dict[str, Any]], truncated: bool) -> ParsedTur
             raise _ParseError("no tool call or final answer found; call a tool with "
                               '<tool_call>{"name": ..., "arguments": {...}}</tool_call> or answer with <answer>...</answer>')
         calls = bare
-    del think_spans  # only checked for balance
     specs = tool_specs(tools)
     for call in calls:
         if call.name not in specs:
@@ -286,7 +303,8 @@ def _parse(text: str, tools: list[dict[str, Any]], truncated: bool) -> ParsedTur
         err = validate_value(call.arguments, {"type": "object", **specs[call.name]}, "arguments")
         if err:
             raise _ParseError(f"bad arguments for tool {call.name!r}: {err}")
-    return ParsedTurn(raw=text, thought=_clean_thought(text[:action_at]), tool_calls=calls, final_answer=final)
+    thought = "\n".join(t for t in (reasoning, text[:action_at].strip()) if t)
+    return ParsedTurn(raw=raw, thought=thought, tool_calls=calls, final_answer=final)
 
 
 def parse_turn(text: str, tools: list[dict[str, Any]], *, truncated: bool = False) -> ParsedTurn:

@@ -18,6 +18,7 @@ from trace_mega.envs.bfcl import (  # noqa: E402
     ground_truth_calls,
     replay,
 )
+from trace_mega.rollout.engines.base import Completion, Engine  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=CATEGORIES)
@@ -193,3 +194,49 @@ def test_splits_and_bad_names():
     bad = env.step(state, ToolCall("cd", {"not-an-identifier": "x"}))
     assert bad.startswith("Error during execution: argument names")
     assert state.data["turn_calls"] == [[]]
+
+
+class _CallsEngine(Engine):
+    """Emits the i-th scripted whole-call token after i observations, then the answer token."""
+
+    def __init__(self, tok, calls, answer):
+        super().__init__()
+        self.tok, self.ids = tok, [tok.convert_tokens_to_ids(t) for t in [*calls, answer]]
+
+    def generate(self, prefixes, sampling):
+        out = []
+        for prefix in prefixes:
+            seen = self.tok.convert_ids_to_tokens(prefix).count("<tool_response>")
+            out.append(Completion(token_ids=[self.ids[min(seen, len(self.ids) - 1)]], logprobs=[-0.1],
+                                  finish_reason="stop"))
+        return out
+
+    def update_weights(self, named_tensors):
+        for _ in named_tensors:
+            pass
+
+
+def test_single_turn_task_through_the_agent_loop():
+    """A one-user-turn task (multi_turn_base_50) behind the real parser and agent loop: the
+    ground-truth calls score 1, stopping after the first call scores 0."""
+    from trace_mega.config import RolloutConfig
+    from trace_mega.envs.tokenizer import build_tiny_tokenizer
+    from trace_mega.rollout.agent_loop import AgentLoop
+
+    env = BFCLMultiTurnEnv(categories=("base",))
+    task = next(t for t in env.tasks() if t.task_id == "multi_turn_base_50")
+    assert len(task.meta["entry"]["question"]) == 1
+    calls = ["<tool_call>" + json.dumps({"name": c.name, "arguments": c.arguments}) + "</tool_call>"
+             for c in ground_truth_calls(task)[0]]
+    rewards, observations = {}, {}
+    for name, script in (("full", calls), ("partial", calls[:1])):
+        tok = build_tiny_tokenizer([], [*calls, "<answer>done</answer>"])
+        loop = AgentLoop(env, _CallsEngine(tok, script, "<answer>done</answer>"), tok,
+                         RolloutConfig(max_turns=6, max_new_tokens_per_turn=4, max_total_tokens=8192))
+        (tree,) = loop.rollout([task], [1])
+        loop.close()
+        path = tree.path(tree.leaves()[0])
+        rewards[name] = tree.nodes[path[-1]].reward
+        observations[name] = [tree.nodes[n].observation for n in path[1:-1]]
+    assert rewards == {"full": 1.0, "partial": 0.0}
+    assert len(observations["full"]) == 2 and "lockStatus" in observations["full"][0]

@@ -6,13 +6,13 @@ import pytest
 from trace_mega.envs import build_env
 from trace_mega.envs.base import ToolCall
 from trace_mega.envs.math_python import (
-    SHIPPED,
     MathPythonEnv,
     last_boxed,
     load_math_jsonl,
     math_reward,
 )
 from trace_mega.envs.sandbox import SandboxLimits
+from trace_mega.rollout.engines.base import Completion, Engine
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +117,47 @@ def test_bombs_in_some_episodes_leave_the_others_intact(env):
     assert "CPU-time limit" in observations[1] and "MemoryError" in observations[3]
     assert "os.fork is not allowed" in observations[5] and "[output truncated]" in observations[7]
     assert "socket" in observations[9]
+
+
+class _ActionEngine(Engine):
+    """Emits one whole-action token per turn: the tool call, then (after an observation) the answer."""
+
+    def __init__(self, tok, tool_token, answer_token):
+        super().__init__()
+        self.tok, self.ids = tok, [tok.convert_tokens_to_ids(t) for t in (tool_token, answer_token)]
+
+    def generate(self, prefixes, sampling):
+        out = []
+        for prefix in prefixes:
+            seen = self.tok.convert_ids_to_tokens(prefix).count("<tool_response>")
+            out.append(Completion(token_ids=[self.ids[min(seen, 1)]], logprobs=[-0.1], finish_reason="stop"))
+        return out
+
+    def update_weights(self, named_tensors):
+        for _ in named_tensors:
+            pass
+
+
+def test_episode_through_the_agent_loop(tmp_path):
+    """The env behind the real ReAct parser and agent loop (a word-level tokenizer whose
+    action tokens are whole tool calls / answers; the prompt words are [UNK])."""
+    from trace_mega.config import RolloutConfig
+    from trace_mega.envs.tokenizer import build_tiny_tokenizer
+    from trace_mega.rollout.agent_loop import AgentLoop
+
+    path = _write(tmp_path / "one.jsonl", [{"problem": "What is 1 + 2 + ... + 100?", "answer": "5050"}])
+    env = MathPythonEnv(train_path=str(path), limits=SandboxLimits(wall_s=30.0))
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(sum(range(101)))"}}</tool_call>'
+    trees = {}
+    for answer in ("5050", "5051"):
+        tok = build_tiny_tokenizer(["5050"], [call, f"<answer>{answer}</answer>"])
+        loop = AgentLoop(env, _ActionEngine(tok, call, f"<answer>{answer}</answer>"), tok,
+                         RolloutConfig(max_turns=4, max_new_tokens_per_turn=4, max_total_tokens=4096))
+        (trees[answer],) = loop.rollout(env.tasks("train"), [2])
+        loop.close()
+    for answer, reward in (("5050", 1.0), ("5051", 0.0)):
+        tree = trees[answer]
+        for leaf in tree.leaves():
+            tool_node, final = (tree.nodes[n] for n in tree.path(leaf)[1:])
+            assert tool_node.observation.strip() == "5050" and final.reward == reward
+    env.close()

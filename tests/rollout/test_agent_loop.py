@@ -239,6 +239,11 @@ def test_turn_and_token_limits():
         assert tree.depth(leaf) == 3 and node.reward == 0.0 and node.info["truncated"] == "max_turns"
         assert node.token_ids == [right] and node.observation == ""
     assert loop.last_stats.truncated_episodes == 2
+    # the turn limit counts from the root: a continuation from depth 2 gets one turn
+    deep = tree.path(tree.leaves()[0])[2]
+    loop.expand([tree], [(0, deep, 2)], seed=1)
+    new = tree.leaves()[2:]
+    assert len(new) == 2 and all(tree.nodes[n].parent == deep and tree.depth(n) == 3 for n in new)
     # max_total_tokens: no path ever exceeds it; the crossing observation is dropped
     prompt_len = len(loop.scaffold.prompt_ids(task))
     dropped = set()

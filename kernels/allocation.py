@@ -201,7 +201,7 @@ def _bisect_torch(A, Bq, capf, budf, lo, hi, iters):
 
     A group is settled once C(lo) <= budget: all its units >= lo are then taken
     and the bracket's width no longer matters. On CPU, where a read-back costs
-    nothing, settled groups are dropped from the table every 4 steps and the
+    nothing, settled groups are dropped from the table every 2 steps and the
     loop stops when none is left. On an accelerator all `iters` steps run on
     the full table, with no host sync.
     """
@@ -220,7 +220,7 @@ def _bisect_torch(A, Bq, capf, budf, lo, hi, iters):
         cnt = _counts(a, b, c, mid[:, None]).sum(1)
         ge = cnt >= bud
         l, h, c_lo = torch.where(ge, mid, l), torch.where(ge, h, mid), torch.where(ge, cnt, c_lo)
-        if it % 4 == 3 or it == iters - 1:
+        if it % 2 == 1 or it == iters - 1:
             lo[act], hi[act] = l, h
             keep = c_lo > bud
             if not bool(keep.any()):

@@ -19,6 +19,7 @@ from trace_mega.envs.multihop_qa import (
     load_qa,
     normalize_answer,
 )
+from trace_mega.rollout.engines.base import Completion, Engine
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +184,44 @@ def test_dense_retriever_pipeline_with_a_tiny_local_encoder(tmp_path):
     scores = [s for _, s in hits]
     assert len(hits) == 5 and scores == sorted(scores, reverse=True)
     assert all(-1.0001 <= s <= 1.0001 for s in scores) and {p for p, _ in hits} <= set(passages)
+
+
+class _TwoHopEngine(Engine):
+    """Emits the i-th whole-action token after i observations."""
+
+    def __init__(self, tok, actions):
+        super().__init__()
+        self.tok, self.ids = tok, [tok.convert_tokens_to_ids(a) for a in actions]
+
+    def generate(self, prefixes, sampling):
+        out = []
+        for prefix in prefixes:
+            seen = self.tok.convert_ids_to_tokens(prefix).count("<tool_response>")
+            out.append(Completion(token_ids=[self.ids[min(seen, len(self.ids) - 1)]], logprobs=[-0.1],
+                                  finish_reason="stop"))
+        return out
+
+    def update_weights(self, named_tensors):
+        for _ in named_tensors:
+            pass
+
+
+def test_two_hop_episode_through_the_agent_loop(env):
+    """Search the bridge entity, then the answer's passage, then answer: reward 1."""
+    from trace_mega.config import RolloutConfig
+    from trace_mega.envs.tokenizer import build_tiny_tokenizer
+    from trace_mega.rollout.agent_loop import AgentLoop
+
+    task = next(t for t in env.tasks() if t.gold_answer == "Vallis")
+    actions = ['<tool_call>{"name": "search", "arguments": {"query": "architect of the Gannet Light"}}</tool_call>',
+               '<tool_call>{"name": "search", "arguments": {"query": "Tomas Ferreira born", "k": 1}}</tool_call>',
+               "<answer>Vallis</answer>"]
+    tok = build_tiny_tokenizer([], actions)
+    loop = AgentLoop(env, _TwoHopEngine(tok, actions), tok,
+                     RolloutConfig(max_turns=5, max_new_tokens_per_turn=4, max_total_tokens=8192))
+    (tree,) = loop.rollout([task], [1])
+    loop.close()
+    first, second, final = (tree.nodes[n] for n in tree.path(tree.leaves()[0])[1:])
+    assert "Tomas Ferreira" in first.observation and "Vallis" not in first.observation.split("[2]")[0]
+    assert second.observation.startswith("[1] Tomas Ferreira:") and "Vallis" in second.observation
+    assert final.reward == 1.0

@@ -61,6 +61,7 @@ def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str] = Non
         m: {
             "effective_ratio_mean": _summary(rows, "alloc/effective_ratio"),
             "contrasted_groups_mean": _summary(rows, "alloc/contrasted_groups"),
+            "predictor_fallback_frac": _summary(rows, "alloc/fallback"),
             "reward_first3": statistics.fmean([r["reward/mean"] for r in rows[:3]]) if rows else float("nan"),
             "reward_last3": _summary(rows, "reward/mean", last=3),
             "trajectories_per_step": _summary(rows, "alloc/trajectories"),

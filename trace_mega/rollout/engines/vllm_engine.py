@@ -117,6 +117,13 @@ class VLLMEngine(Engine):
             enable_sleep_mode=self._sleep_enabled,
             **llm_kwargs,
         )
+        from vllm.v1.engine.core_client import InprocClient
+
+        if not isinstance(self.llm.llm_engine.engine_core, InprocClient):
+            # vLLM caches its environment once an engine core has started; an earlier
+            # engine in this process may have fixed multiprocessing on.
+            raise RuntimeError("vLLM's engine core runs in another process: in-memory update_weights needs "
+                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first vLLM engine of the process")
         self._vllm = vllm
 
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:

@@ -118,7 +118,8 @@ class SandboxLimits:
     """Per-call resource limits."""
 
     cpu_s: int = 5
-    wall_s: float = 10.0
+    wall_s: float = 8.0
+    """Below the agent loop's default tool timeout (10 s), so the sandbox's own report wins."""
     memory_mb: int = 1024
     output_bytes: int = 8192
     file_mb: int = 16

@@ -161,6 +161,7 @@ if _HAS_TRITON:
         stride_ht, stride_hh, stride_wv, stride_wh,
         inv_temp,
         WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
@@ -205,19 +206,22 @@ if _HAS_TRITON:
         for h0 in range(0, HD, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < HD
-            hb = tl.load(H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
-                         mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BT, BH)
-            wb = tl.load(W_ptr + w_row[:, None] + offs_h[None, :] * stride_wh,
-                         mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BV, BH)
-            if UPCAST:
-                hb = hb.to(tl.float32)
-                wb = wb.to(tl.float32)
-            dh = tl.dot(dz_mm, wb, input_precision=PREC)  # (BT, BH)
-            tl.atomic_add(DH_ptr + offs_t[:, None].to(tl.int64) * HD + offs_h[None, :], dh,
-                          mask=mask_t[:, None] & mask_h[None, :])
-            dw = tl.dot(tl.trans(dz_mm), hb, input_precision=PREC)  # (BV, BH)
-            tl.atomic_add(DW_ptr + offs_v[:, None].to(tl.int64) * HD + offs_h[None, :], dw,
-                          mask=mask_v[:, None] & mask_h[None, :])
+            if NEED_DH:
+                wb = tl.load(W_ptr + w_row[:, None] + offs_h[None, :] * stride_wh,
+                             mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BV, BH)
+                if UPCAST:
+                    wb = wb.to(tl.float32)
+                dh = tl.dot(dz_mm, wb, input_precision=PREC)  # (BT, BH)
+                tl.atomic_add(DH_ptr + offs_t[:, None].to(tl.int64) * HD + offs_h[None, :], dh,
+                              mask=mask_t[:, None] & mask_h[None, :])
+            if NEED_DW:
+                hb = tl.load(H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
+                             mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BT, BH)
+                if UPCAST:
+                    hb = hb.to(tl.float32)
+                dw = tl.dot(tl.trans(dz_mm), hb, input_precision=PREC)  # (BV, BH)
+                tl.atomic_add(DW_ptr + offs_v[:, None].to(tl.int64) * HD + offs_h[None, :], dw,
+                              mask=mask_v[:, None] & mask_h[None, :])
 
 
 def _triton_cfg(dtype, backward):
@@ -256,6 +260,8 @@ def aot_compile_check(arch=90, dtypes=("bf16", "fp32")):
             for ent in (True, False):
                 consts = dict(WITH_ENT=ent, UPCAST=upcast, PREC=prec,
                               BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
+                if bwd:
+                    consts.update(NEED_DH=True, NEED_DW=True)
                 sig = {}
                 for name in fn.arg_names:
                     if name in consts:
@@ -281,6 +287,8 @@ def _stats_triton(hidden, weight, t_local, inv_temp, with_entropy, block_v=None)
     bt, bv, bh, upcast, prec, nw = _triton_cfg(hidden.dtype, backward=False)
     bv = block_v or bv
     out = torch.empty(4, T, dtype=torch.float32, device=hidden.device)  # (4, T)
+    if T == 0:
+        return out
     grid = (triton.cdiv(T, bt),)
     _fwd_stats_kernel[grid](
         hidden, weight, t_local, out, T, V, HD,
@@ -292,21 +300,26 @@ def _stats_triton(hidden, weight, t_local, inv_temp, with_entropy, block_v=None)
     return out
 
 
-def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block_v=None):
+def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block_v=None,
+                  need_dh=True, need_dw=True):
     T, HD = hidden.shape
     V = weight.shape[0]
     bt, bv, bh, upcast, prec, nw = _triton_cfg(hidden.dtype, backward=True)
     bv = block_v or bv
-    dh = torch.zeros(T, HD, dtype=torch.float32, device=hidden.device)  # (T, H) fp32 atomics
-    dw = torch.zeros(V, HD, dtype=torch.float32, device=hidden.device)  # (V, H)
+    dev = hidden.device
+    # fp32 buffers for the atomics; a 1-element dummy pointer for an unneeded one
+    dh = torch.zeros((T, HD) if need_dh else (1,), dtype=torch.float32, device=dev)  # (T, H)
+    dw = torch.zeros((V, HD) if need_dw else (1,), dtype=torch.float32, device=dev)  # (V, H)
     with_ent = g_ent is not None
     ge = g_ent if with_ent else g_lp  # dummy pointer when unused
+    if T == 0 or V == 0 or not (need_dh or need_dw):
+        return dh, dw
     grid = (triton.cdiv(T, bt), triton.cdiv(V, bv))
     _bwd_kernel[grid](
         hidden, weight, t_local, lse, mu, g_lp, ge, dh, dw, T, V, HD,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         float(inv_temp),
-        WITH_ENT=with_ent, UPCAST=upcast, PREC=prec,
+        WITH_ENT=with_ent, UPCAST=upcast, PREC=prec, NEED_DH=need_dh, NEED_DW=need_dw,
         BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, num_warps=nw,
     )
     return dh, dw
@@ -352,7 +365,8 @@ def _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk):
     return torch.stack([m, s, a, zt])
 
 
-def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk):
+def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk,
+                 need_dh=True, need_dw=True):
     """(dhidden (T, H) fp32, dweight (V, H) in weight.dtype); two (T, chunk) fp32 buffers.
 
     Each chunk's dweight rows are complete after one chunk, so they are written straight
@@ -361,8 +375,10 @@ def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
     T, HD = hidden.shape
     V = weight.shape[0]
     h = hidden.float()  # (T, H)
-    dh = torch.zeros(T, HD, device=hidden.device)
-    dw = torch.empty(V, HD, device=hidden.device, dtype=weight.dtype)
+    dh = torch.zeros((T, HD) if need_dh else (1,), device=hidden.device)
+    dw = torch.empty((V, HD) if need_dw else (1,), device=hidden.device, dtype=weight.dtype)
+    if not (need_dh or need_dw):
+        return dh, dw
     rows = torch.arange(T, device=hidden.device)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
@@ -384,10 +400,11 @@ def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
         dz[rows[inside], col[inside]] += g_lp[inside]  # + g_lp * onehot
         if inv_temp != 1.0:
             dz.mul_(inv_temp)
-        dh.addmm_(dz, w)
-        if dw.dtype == torch.float32:
+        if need_dh:
+            dh.addmm_(dz, w)
+        if need_dw and dw.dtype == torch.float32:
             torch.mm(dz.t(), h, out=dw[v0:v1])
-        else:
+        elif need_dw:
             dw[v0:v1] = dz.t() @ h  # (C, H) fp32 -> weight dtype
         del dz, p
     return dh, dw
@@ -457,14 +474,16 @@ class _TokenLogprobsFn(torch.autograd.Function):
             g_ent = torch.where(valid, g_ent.float(), zero).contiguous()
         else:
             g_ent = None
-        if backend == "triton":
-            dh, dw = _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
-        else:
-            dh, dw = _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk)
-        if tp_group is not None and reduce_grad_hidden and dist.get_world_size(tp_group) > 1:
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = _grads_triton if backend == "triton" else _grads_torch
+        dh, dw = grads(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk,
+                       need_dh=need_dh, need_dw=need_dw)
+        # (every rank of tp_group must agree on needing dhidden: this is a collective)
+        if (need_dh and tp_group is not None and reduce_grad_hidden
+                and dist.get_world_size(tp_group) > 1):
             dist.all_reduce(dh, group=tp_group)  # every shard's contribution to dhidden
-        dh = dh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dh = dh.to(hidden.dtype) if need_dh else None
+        dw = dw.to(weight.dtype) if need_dw else None
         return dh, dw, None, None, None, None, None, None, None, None
 
 

@@ -357,3 +357,33 @@ def test_gpu_kernels_compile_for_sm90():
     """The interpreter never runs the native-dtype (non-UPCAST) paths; ptxas must accept them."""
     pytest.importorskip("triton.backends.nvidia")
     assert _aot_compile("trace_mega.kernels.token_logprobs") == 8  # fwd/bwd x bf16/fp32 x entropy
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["hidden", "weight"])
+def test_grad_of_one_input_only(backend, which):
+    """Frozen output layer (TRACE-C reference probe) or frozen hidden: the other grad is exact."""
+    T, V, H = 21, 600, 24
+    h, w, y = _problem(T, V, H, torch.float32)
+    hh = h.clone().requires_grad_(which == "hidden")
+    ww = w.clone().requires_grad_(which == "weight")
+    lp, ent = token_logprobs(hh, ww, y, backend=backend, with_entropy=True)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    _, _, dhr, dwr = _ref(h, w, y, torch.ones(T), torch.full((T,), 0.5), with_entropy=True)
+    if which == "hidden":
+        assert ww.grad is None
+        _close_grad(hh.grad, dhr, 1e-4)
+    else:
+        assert hh.grad is None
+        _close_grad(ww.grad, dwr, 1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_stream(backend):
+    h = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(50, 8, requires_grad=True)
+    lp, ent = token_logprobs(h, w, torch.empty(0, dtype=torch.long), backend=backend,
+                             with_entropy=True)
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.shape == (0, 8) and torch.all(w.grad == 0)

@@ -244,7 +244,7 @@ class BFCLMultiTurnEnv(Env):
     def __init__(
         self,
         categories: tuple[str, ...] | list[str] = CATEGORIES,
-        call_timeout_s: Optional[float] = 10.0,
+        call_timeout_s: Optional[float] = 5.0,
         data_dir: Optional[str] = None,
         max_tasks_per_category: Optional[int] = None,
     ) -> None:

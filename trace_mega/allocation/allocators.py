@@ -82,7 +82,12 @@ class Allocator:
 
     def plan_prefixes(self, v_prefix: torch.Tensor, r: torch.Tensor, group: torch.Tensor, m: torch.Tensor,
                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """K (P,) long: continuations per candidate prefix (prompt `group[p]`, bare outcome `r[p]`)."""
+        """K (P,) long: continuations per candidate prefix (prompt `group[p]`, bare outcome `r[p]`).
+
+        A prompt whose bare rollouts have no intermediate prefix (single-turn
+        trajectories) cannot spend its per-prompt budget. `trace_global` moves
+        that budget to other prompts, and the per-prompt allocators spend less.
+        """
         return torch.zeros_like(group, dtype=torch.long)
 
     def prefix_budgets(self, m: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,17 @@ def test_greedy_equals_torch_engine(engine, models):
     _assert_same(engine.generate(PROMPTS, GREEDY), torch_engine(models, "a").generate(PROMPTS, GREEDY))
 
 
+def test_logprobs_are_raw_model_logprobs_when_sampling(engine, models):
+    """At T=0.7 / top-p 0.9 vLLM reports log_softmax(logits) of its samples (raw_logprobs), as the torch engine does."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(models["dir"], dtype=torch.float32).eval()
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=8, seed=11))
+    for p, c in zip(PROMPTS, outs):
+        with torch.no_grad():
+            raw = torch.log_softmax(hf(torch.tensor([p + c.token_ids])).logits[0].float(), -1)
+        ref = raw[len(p) - 1 : -1].gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=2e-3, rtol=0)
+
+
 def test_stop_tokens_end_generation(engine, models):
     ref = torch_engine(models, "a").generate([PROMPTS[0]], GREEDY)[0].token_ids
     sp = SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[ref[2]])

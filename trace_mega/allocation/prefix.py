@@ -78,7 +78,7 @@ def allocate_prefixes(
         raise ValueError(f"max_per_prefix must be >= 0 or None, got {max_per_prefix}")
     dev = v.device
     if pool == "global":
-        total = budget.sum() if isinstance(budget, torch.Tensor) else torch.tensor(int(budget))
+        total = budget.sum() if isinstance(budget, torch.Tensor) else torch.full((), int(budget), device=dev)
         bud = total.to(device=dev, dtype=torch.long).reshape(1)
         grp = torch.zeros_like(group, dtype=torch.long)
         max_group_size = v.numel()

@@ -104,7 +104,7 @@ def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: in
         bud = budget.to(device=v.device, dtype=torch.long)
     else:
         _check_budget(int(budget), max_rollouts, capacity)
-        bud = torch.tensor(int(budget), dtype=torch.long, device=v.device)
+        bud = torch.full((), int(budget), dtype=torch.long, device=v.device)  # a fill, not a host copy
     if check:
         _check_v(v)
     if B == 0:
@@ -116,7 +116,7 @@ def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: in
     split = c == 1  # at most one prompt
     has_split = split.any()  # 0-d bool tensor, stays on device
     cp = c - split.long()  # optimum for budget - 1
-    inf = torch.tensor(torch.inf, dtype=torch.float64, device=v.device)
+    inf = torch.full((), torch.inf, dtype=torch.float64, device=v.device)
     a = U[:, 0]  # (B,) v(1-v)
 
     # M1: the best next unit of an active prompt below the cap.

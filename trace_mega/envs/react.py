@@ -353,6 +353,9 @@ class ReactScaffold:
             if str(tok).endswith("</tool_call>") or str(tok).endswith("</answer>"):
                 stops.add(int(tid))
         self.stop_token_ids = sorted(stops)
+        # Strings the tokenizer would turn into control tokens wherever they appear in text.
+        self._control_texts = sorted({str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+                                     | set(getattr(tokenizer, "all_special_tokens", [])), key=len, reverse=True)
         self._observation_text(["probe"])  # fails now, clearly, if the template cannot be cut
 
     def _ids_of(self, texts: tuple[str, ...]) -> set[int]:
@@ -375,9 +378,18 @@ class ReactScaffold:
             raise ValueError("the chat template drops assistant content; observations cannot be rendered from it")
         return text[at + len(_MARKER):]
 
+    def defuse(self, observation: str) -> str:
+        """`observation` with every control-token string (e.g. `<|im_end|>`, `</tool_response>`) broken by a
+        zero-width space after its first character, so tool output cannot inject chat-format tokens."""
+        for t in self._control_texts:
+            if t in observation:
+                observation = observation.replace(t, t[0] + "\u200b" + t[1:])
+        return observation
+
     def observation_ids(self, generated_ids: list[int], observations: list[str]) -> list[int]:
         """Ids to append after `generated_ids`: end of the assistant turn, tool messages, next generation prompt."""
-        ids = [int(i) for i in self.tokenizer.encode(self._observation_text(observations), add_special_tokens=False)]
+        text = self._observation_text([self.defuse(o) for o in observations])
+        ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
         if ids and generated_ids and generated_ids[-1] == ids[0] and ids[0] in self.end_of_turn_ids:
             ids = ids[1:]
         return ids

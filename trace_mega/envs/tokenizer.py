@@ -12,8 +12,8 @@ one sampled token is one well-formed action, while the parser still sees and
 parses the JSON text after decoding.
 
 Layout of the vocabulary: ``<pad>`` = 0, ``[UNK]`` = 1, ``<|im_start|>`` = 2,
-``<|im_end|>`` = 3 (the EOS), then the plain words, then the added action
-tokens. Text between tokens is whitespace; tokenisation is canonical (encode
+``<|im_end|>`` = 3 (the EOS), then the plain words, then the added tokens
+(``<tool_response>``, ``</tool_response>``, the actions). Text between tokens is whitespace; tokenisation is canonical (encode
 ∘ decode is the identity on in-vocabulary text), which the tests rely on.
 """
 from __future__ import annotations
@@ -47,7 +47,9 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %} <|im_start|> assistant{% endif %}"
 )
 
-BASE_WORDS = ["system", "user", "assistant", "tools", "error", "<tool_response>", "</tool_response>"]
+BASE_WORDS = ["system", "user", "assistant", "tools", "error"]
+# Added (not plain) tokens, as in Qwen3: the scaffold defuses added-token strings in tool output.
+FORMAT_TOKENS = ["<tool_response>", "</tool_response>"]
 
 
 def build_tiny_tokenizer(words: Iterable[str], action_tokens: Iterable[str]) -> PreTrainedTokenizerFast:
@@ -65,7 +67,7 @@ def build_tiny_tokenizer(words: Iterable[str], action_tokens: Iterable[str]) -> 
     model = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     model.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    actions = [a for a in dict.fromkeys(action_tokens) if a not in vocab]
+    actions = [a for a in dict.fromkeys([*FORMAT_TOKENS, *action_tokens]) if a not in vocab]
     model.add_tokens([AddedToken(a, special=False, normalized=False) for a in actions])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=model,

@@ -88,6 +88,9 @@ def test_trace_uses_exact_solvers():
     assert torch.equal(alloc.plan_prefixes(v, r, group, m), allocate_prefixes(v, r, group, budget, 3))
     glob = build_allocator(AllocationConfig(**{**cfg.__dict__, "name": "trace_global"}))
     assert torch.equal(glob.plan_prefixes(v, r, group, m), allocate_prefixes(v, r, group, budget, 3, pool="global"))
+    hot = build_allocator(cfg, check=False, max_group_size=6 * 2)  # the sync-free settings give the same plan
+    assert torch.equal(hot.plan_roots(v_root), m) and torch.equal(hot.plan_prefixes(v, r, group, m),
+                                                                  alloc.plan_prefixes(v, r, group, m))
 
 
 def test_trace_rejects_budgets_it_cannot_spend():

@@ -70,8 +70,12 @@ class Allocator:
     tree = False
     """Whether it spends continuations (tree rollouts) or puts the whole budget on roots."""
 
-    def __init__(self, cfg: AllocationConfig) -> None:
+    def __init__(self, cfg: AllocationConfig, *, check: bool = True, max_group_size: Optional[int] = None) -> None:
+        """`check=False` and `max_group_size` (most candidate prefixes of one prompt) make the
+        trace solvers run with no host sync on the GPU hot path (see `allocate_prefixes`)."""
         self.cfg = cfg
+        self.check = check
+        self.max_group_size = max_group_size
         self.root_budget = cfg.root_rollouts_per_step
         self.continuation_budget = int(round(cfg.root_rollouts_per_step * cfg.continuations_per_rollout))
         self.trajectories_per_step = self.root_budget + self.continuation_budget
@@ -173,8 +177,8 @@ class TraceAllocator(_Tree):
     name = "trace"
     pool = "group"
 
-    def __init__(self, cfg: AllocationConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: AllocationConfig, **kwargs) -> None:
+        super().__init__(cfg, **kwargs)
         M, Mmax, B = cfg.root_rollouts_per_step, cfg.rollouts_per_prompt_max, cfg.prompts_per_step
         if M > B * Mmax:
             raise ValueError(f"{self.name}: root budget {M} exceeds prompts_per_step * rollouts_per_prompt_max "
@@ -183,11 +187,12 @@ class TraceAllocator(_Tree):
             raise ValueError(f"{self.name}: odd root budget {M} cannot be spent with rollouts_per_prompt_max = 2")
 
     def plan_roots(self, v_root, generator=None):
-        return allocate_roots(v_root, self.root_budget, self.cfg.rollouts_per_prompt_max)
+        return allocate_roots(v_root, self.root_budget, self.cfg.rollouts_per_prompt_max, check=self.check)
 
     def plan_prefixes(self, v_prefix, r, group, m, generator=None):
         budget = self.prefix_budgets(m)
-        return allocate_prefixes(v_prefix, r, group, budget, self.cfg.continuations_per_prefix_max, pool=self.pool)
+        return allocate_prefixes(v_prefix, r, group, budget, self.cfg.continuations_per_prefix_max, pool=self.pool,
+                                 check=self.check, max_group_size=self.max_group_size)
 
 
 @ALLOCATORS.register("trace_global")
@@ -198,6 +203,6 @@ class TraceGlobalAllocator(TraceAllocator):
     pool = "global"
 
 
-def build_allocator(cfg: AllocationConfig) -> Allocator:
-    """The allocator named `cfg.name` (KeyError listing the valid names otherwise)."""
-    return ALLOCATORS.get(cfg.name)(cfg)
+def build_allocator(cfg: AllocationConfig, **kwargs) -> Allocator:
+    """The allocator named `cfg.name` (KeyError listing the valid names otherwise); kwargs go to `Allocator`."""
+    return ALLOCATORS.get(cfg.name)(cfg, **kwargs)

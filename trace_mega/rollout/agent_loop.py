@@ -148,7 +148,7 @@ class AgentLoop:
             tree = RolloutTree(task.task_id, prompt, prompt_text=self.scaffold.decode(prompt),
                                gold_answer=task.gold_answer, meta={"env": self.env.name, **_json_safe(task.meta)})
             root_state = self.env.reset(task)
-            tree.runtime = {"task": task, "states": {0: root_state}}
+            tree.runtime = {"states": {0: root_state}}
             trees.append(tree)
             episodes += [_Episode(ti, 0, False, list(prompt), self.env.fork(root_state), 0) for _ in range(int(count))]
         self._run(trees, episodes, seed)
@@ -310,13 +310,9 @@ class AgentLoop:
         if len(ep.prefix) + len(gen) + len(obs) > self.cfg.max_total_tokens:
             info["truncated"] = "max_total_tokens"
             info["observation_dropped"] = True
-            node = _node(gen, lp, [], kind, parsed, info)
-            node.observation = "\n".join(observations)
-            self._end(tree, ep, node, stats)
+            self._end(tree, ep, _node(gen, lp, [], kind, parsed, info, "\n".join(observations)), stats)
             return False
-        node = _node(gen, lp, obs, kind, parsed, info)
-        node.observation = "\n".join(observations)
-        self._add(tree, ep, node)
+        self._add(tree, ep, _node(gen, lp, obs, kind, parsed, info, "\n".join(observations)))
         tree.runtime["states"][ep.tip] = ep.state
         ep.prefix += gen + obs
         return True
@@ -346,14 +342,15 @@ class AgentLoop:
             self._end(tree, ep, Node(-1, [], [], [], kind="error", info={"truncated": reason}), stats)
 
 
-def _node(gen, lp, obs, kind, parsed: ParsedTurn, info: dict, reward: Optional[float] = None) -> Node:
+def _node(gen, lp, obs, kind, parsed: ParsedTurn, info: dict, observation: str = "",
+          reward: Optional[float] = None) -> Node:
     """A turn node: generated tokens (loss 1, behaviour log-probs) then observation tokens (loss 0)."""
     if parsed.final_answer is not None:
         action = parsed.final_answer
     else:
         action = json.dumps([{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]) if parsed.tool_calls else ""
     return Node(-1, gen + obs, [1] * len(gen) + [0] * len(obs), lp + [0.0] * len(obs), kind=kind,
-                text=parsed.raw, thought=parsed.thought, action=action, reward=reward, info=info)
+                text=parsed.raw, thought=parsed.thought, action=action, observation=observation, reward=reward, info=info)
 
 
 def _json_safe(meta: dict[str, Any]) -> dict[str, Any]:

@@ -81,7 +81,7 @@ class RolloutTree:
             Node(-1, list(prompt_token_ids), [0] * n, [0.0] * n, kind="prompt", text=prompt_text)
         ]
         self.runtime: dict[str, Any] = {}
-        """Transient, never serialised: the agent loop keeps the task and per-node env states here."""
+        """Transient, never serialised: the agent loop keeps per-node env states here (`runtime["states"]`)."""
 
     # --- building -----------------------------------------------------------
     def add_node(self, parent: int, node: Node) -> int:

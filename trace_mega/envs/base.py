@@ -92,6 +92,11 @@ class Env(ABC):
     def reward(self, state: EpisodeState, final_answer: Optional[str]) -> float:
         """Terminal reward in {0, 1} (None: the episode ended without an answer)."""
 
+    def next_turn(self, state: EpisodeState, final_answer: Optional[str]) -> Optional[list[dict[str, Any]]]:
+        """After a final answer: the next user message(s) of a multi-turn task, or None when
+        the task is over (then `reward` is called). Single-turn environments keep the default."""
+        return None
+
     def fork(self, state: EpisodeState) -> EpisodeState:
         """An independent copy of `state` to branch a continuation from."""
         return copy.deepcopy(state)

@@ -14,8 +14,8 @@ full-scale case T=16k, V=152k, H=5120 bf16 as well.
 GPU (`--device cuda`, default when CUDA is available): median time (CUDA events),
 torch.cuda.max_memory_allocated above the inputs, achieved TFLOP/s (useful FLOPs:
 2TVH forward, 6TVH forward+backward) and effective bandwidth (compulsory bytes: read
-hidden + weight, write the outputs/gradients) for `reference`, `fused_triton` and
-`fused_torch`, plus the max |difference| of the fused log-probs from the reference.
+hidden + weight, write the outputs/gradients) for `reference`, `fused_triton` (atomic
+backward), `fused_triton_dz` (dz buffer + GEMM backward) and `fused_torch`, plus the max |difference| of the fused log-probs from the reference.
 
     python benchmarks/bench_token_logprobs.py [--T 4096 --V 151936 --H 128] [--json out.json]
 """
@@ -45,6 +45,11 @@ def analytic_bytes(method, mode, T, V, H, eb, chunk):
             return fwd
         # backward: saved log-probs + gather's dense grad + log-softmax grad (+ cast), grads
         return 3 * T * V * f4 + (T * V * eb if eb != 4 else 0) + (T + V) * H * eb
+    if method == "fused_triton_dz":
+        # Triton statistics; backward: one (T, 8192) dz buffer in the input dtype + the
+        # fp32 dh accumulator, a (T, H) GEMM output, dW in the weight dtype
+        return 4 * T * f4 + ((T * 8192 * eb + T * H * (f4 + 2 * eb) + V * H * eb)
+                             if mode == "fwd_bwd" else 0)
     if method == "fused_triton":
         # (4, T) statistics; backward: fp32 atomic accumulators for dh, dW + their casts
         return 4 * T * f4 + ((T + V) * H * (f4 + eb) if mode == "fwd_bwd" else 0)
@@ -143,6 +148,7 @@ def run_gpu(args):
     methods = {
         "reference": lambda hh, ww: token_logprobs_reference(hh, ww, y),
         "fused_triton": lambda hh, ww: token_logprobs(hh, ww, y, backend="triton"),
+        "fused_triton_dz": lambda hh, ww: token_logprobs(hh, ww, y, backend="triton_dz"),
         "fused_torch": lambda hh, ww: token_logprobs(hh, ww, y, backend="torch",
                                                       chunk_size=args.chunk),
     }

@@ -20,6 +20,10 @@ Backends (chosen by `backend="auto"`):
   dz = g_lp * (onehot - p) - g_ent * p * (z - mu), and atomically accumulates
   dz @ W into dhidden and dz^T @ h into dweight (fp32 buffers). The fp32 atomics make
   the GPU gradients non-deterministic in the last bits (summation order).
+* ``"triton_dz"`` -- the same Triton forward; the backward avoids atomics: per vocab chunk a
+  Triton kernel writes the (T, chunk) dz tile buffer (bf16 on GPU for 16-bit inputs) and
+  two plain GEMMs (cuBLAS on GPU) form dh += dz @ W_c and dW_c = dz^T @ h. Extra memory:
+  one (T, chunk) buffer. Opt-in: the alternative to time against the atomics on a GPU.
 * ``"torch"`` -- a pure-PyTorch chunked path with the same math and the same memory
   bound (autograd.Function; loops over vocab chunks of ``chunk_size`` columns in the
   forward and again, recomputing, in the backward). Used on CPU without the
@@ -155,21 +159,14 @@ if _HAS_TRITON:
         tl.store(OUT_ptr + 3 * T + offs_t, zt, mask=mask_t)
 
     @triton.jit
-    def _bwd_kernel(
-        H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr, DH_ptr, DW_ptr,
-        T, V, HD,
-        stride_ht, stride_hh, stride_wv, stride_wh,
-        inv_temp,
+    def _dz_tile(
+        H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr,
+        offs_t, offs_v, mask_t, mask_v, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh, inv_temp,
         WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-        NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
-        pid_t = tl.program_id(0)
-        pid_v = tl.program_id(1)
-        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_t = offs_t < T
-        mask_v = offs_v < V
+        """d loss / d raw-logit for one (BT, BV) tile, fp32, 0 outside the masks."""
         h_row = offs_t.to(tl.int64) * stride_ht
         w_row = offs_v.to(tl.int64) * stride_wv
         # recompute the (BT, BV) logit tile
@@ -198,11 +195,35 @@ if _HAS_TRITON:
             gent = tl.load(GENT_ptr + offs_t, mask=mask_t, other=0.0)
             # dH/dz = -p (z - mu), mu = sum p z
             dz -= gent[:, None] * p * (z - mu[:, None])
-        dz = tl.where(live, dz * inv_temp, 0.0)  # d/d(raw logit) = d/dz / temperature
+        return tl.where(live, dz * inv_temp, 0.0)  # d/d(raw logit) = d/dz / temperature
+
+    @triton.jit
+    def _bwd_kernel(
+        H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr, DH_ptr, DW_ptr,
+        T, V, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh,
+        inv_temp,
+        WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        """Atomic backward: dz tile -> dhidden += dz @ W_tile, dW += dz^T @ h_tile (fp32)."""
+        pid_t = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_t = offs_t < T
+        mask_v = offs_v < V
+        dz = _dz_tile(H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr,
+                      offs_t, offs_v, mask_t, mask_v, HD,
+                      stride_ht, stride_hh, stride_wv, stride_wh, inv_temp,
+                      WITH_ENT, UPCAST, PREC, BLOCK_T, BLOCK_V, BLOCK_H)
         if not UPCAST:
             dz_mm = dz.to(H_ptr.dtype.element_ty)  # tensor-core operand in the input dtype
         else:
             dz_mm = dz
+        h_row = offs_t.to(tl.int64) * stride_ht
+        w_row = offs_v.to(tl.int64) * stride_wv
         for h0 in range(0, HD, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < HD
@@ -222,6 +243,29 @@ if _HAS_TRITON:
                 dw = tl.dot(tl.trans(dz_mm), hb, input_precision=PREC)  # (BV, BH)
                 tl.atomic_add(DW_ptr + offs_v[:, None].to(tl.int64) * HD + offs_h[None, :], dw,
                               mask=mask_v[:, None] & mask_h[None, :])
+
+    @triton.jit
+    def _dz_kernel(
+        H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr, DZ_ptr,
+        T, V, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh, stride_dz,
+        inv_temp,
+        WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        """Chunked backward, step 1: write the (T, V_chunk) dz of one vocab chunk."""
+        pid_t = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask_t = offs_t < T
+        mask_v = offs_v < V
+        dz = _dz_tile(H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr,
+                      offs_t, offs_v, mask_t, mask_v, HD,
+                      stride_ht, stride_hh, stride_wv, stride_wh, inv_temp,
+                      WITH_ENT, UPCAST, PREC, BLOCK_T, BLOCK_V, BLOCK_H)
+        tl.store(DZ_ptr + offs_t[:, None].to(tl.int64) * stride_dz + offs_v[None, :],
+                 dz.to(DZ_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
 
 
 def _triton_cfg(dtype, backward):
@@ -255,18 +299,18 @@ def aot_compile_check(arch=90, dtypes=("bf16", "fp32")):
     torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     out = {}
     for dt in dtypes:
-        for bwd, fn in ((False, _fwd_stats_kernel), (True, _bwd_kernel)):
+        for bwd, fn in ((False, _fwd_stats_kernel), (True, _bwd_kernel), (True, _dz_kernel)):
             bt, bv, bh, upcast, prec, nw = _triton_cfg(torch_dt[dt], bwd)
             for ent in (True, False):
                 consts = dict(WITH_ENT=ent, UPCAST=upcast, PREC=prec,
                               BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
-                if bwd:
+                if fn is _bwd_kernel:
                     consts.update(NEED_DH=True, NEED_DW=True)
                 sig = {}
                 for name in fn.arg_names:
                     if name in consts:
                         sig[name] = "constexpr"
-                    elif name in ("H_ptr", "W_ptr"):
+                    elif name in ("H_ptr", "W_ptr", "DZ_ptr"):  # dz: GEMM operand dtype
                         sig[name] = f"*{dt}"
                     elif name == "TGT_ptr":
                         sig[name] = "*i64"
@@ -322,6 +366,55 @@ def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block
         WITH_ENT=with_ent, UPCAST=upcast, PREC=prec, NEED_DH=need_dh, NEED_DW=need_dw,
         BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, num_warps=nw,
     )
+    return dh, dw
+
+
+#: vocab chunk of the "triton_dz" backward (the (T, chunk) dz buffer it materialises)
+DZ_CHUNK = 8192
+
+
+def _grads_triton_dz(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk=None,
+                     need_dh=True, need_dw=True):
+    """Chunked backward: Triton writes dz per vocab chunk, the GEMMs are plain matmuls.
+
+    No atomics: per chunk `dh += dz @ W_c` and `dW_c = dz^T @ h` run as cuBLAS GEMMs
+    (on GPU in the 16-bit input dtype with fp32 accumulation inside the GEMM; dh is
+    accumulated across chunks in fp32). Extra memory: one (T, chunk) dz buffer.
+    """
+    T, HD = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    bt, bv, bh, upcast, prec, nw = _triton_cfg(hidden.dtype, backward=True)
+    C = chunk or (512 if _INTERPRET else DZ_CHUNK)
+    # GEMM operand dtype: the 16-bit input dtype on GPU; fp32 under the interpreter
+    mm_dt = hidden.dtype if (not upcast and hidden.dtype in (torch.bfloat16, torch.float16)) \
+        else torch.float32
+    dh = torch.zeros((T, HD) if need_dh else (1,), dtype=torch.float32, device=dev)
+    dw = torch.empty((V, HD) if need_dw else (1,), dtype=weight.dtype, device=dev)
+    if T == 0 or V == 0 or not (need_dh or need_dw):
+        return dh, (dw.zero_() if need_dw else dw)
+    dz = torch.empty(T, min(C, V), dtype=mm_dt, device=dev)  # (T, C), reused per chunk
+    h_mm = hidden.to(mm_dt)
+    with_ent = g_ent is not None
+    ge = g_ent if with_ent else g_lp
+    for v0 in range(0, V, C):
+        v1 = min(V, v0 + C)
+        wc = weight[v0:v1]  # (C, H) view
+        dzc = dz[:, : v1 - v0]  # (T, C') view, row stride C
+        _dz_kernel[(triton.cdiv(T, bt), triton.cdiv(v1 - v0, bv))](
+            hidden, wc, (t_local - v0).contiguous(), lse, mu, g_lp, ge, dzc, T, v1 - v0, HD,
+            hidden.stride(0), hidden.stride(1), wc.stride(0), wc.stride(1), dzc.stride(0),
+            float(inv_temp),
+            WITH_ENT=with_ent, UPCAST=upcast, PREC=prec,
+            BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, num_warps=nw,
+        )
+        if need_dh:
+            if mm_dt == torch.float32:
+                dh.addmm_(dzc, wc.float())
+            else:
+                dh += dzc @ wc.to(mm_dt)  # (T, H) 16-bit GEMM output, fp32 accumulation
+        if need_dw:
+            dw[v0:v1] = dzc.t() @ h_mm  # (C', H)
     return dh, dw
 
 
@@ -450,8 +543,9 @@ class _TokenLogprobsFn(torch.autograd.Function):
         # local column of the target; -1 (matches no column) for ignored rows. Targets of
         # other shards fall outside [0, V_local) and match nothing either.
         t_local = torch.where(valid, targets - vocab_start, torch.full_like(targets, -1))
-        if backend == "triton":
-            stats = _stats_triton(hidden, weight, t_local, inv_temp, with_entropy, chunk)
+        if backend in ("triton", "triton_dz"):
+            stats = _stats_triton(hidden, weight, t_local, inv_temp, with_entropy,
+                                  chunk if backend == "triton" else None)
         else:
             stats = _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk)
         lse, mu, zt = _combine(stats, tp_group)
@@ -475,7 +569,8 @@ class _TokenLogprobsFn(torch.autograd.Function):
         else:
             g_ent = None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grads = _grads_triton if backend == "triton" else _grads_torch
+        grads = {"triton": _grads_triton, "triton_dz": _grads_triton_dz,
+                 "torch": _grads_torch}[backend]
         dh, dw = grads(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk,
                        need_dh=need_dh, need_dw=need_dw)
         # (every rank of tp_group must agree on needing dhidden: this is a collective)
@@ -488,10 +583,11 @@ class _TokenLogprobsFn(torch.autograd.Function):
 
 
 def _pick_backend(hidden, weight, backend):
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend not in ("auto", "triton", "triton_dz", "torch"):
+        raise ValueError("backend must be 'auto', 'triton', 'triton_dz' or 'torch', "
+                         f"got {backend!r}")
     if backend != "auto":
-        if backend == "triton" and not (_HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
+        if backend != "torch" and not (_HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
             raise RuntimeError("backend='triton' needs CUDA or TRITON_INTERPRET=1 set "
                                "before importing trace_mega.kernels.token_logprobs")
         return backend
@@ -514,11 +610,12 @@ def token_logprobs(hidden, weight, targets, *, chunk_size=None, tp_group=None, v
             logprob 0, entropy 0, no gradient.
         chunk_size: vocab columns per chunk. Torch path: default 8192. Triton path: the
             BLOCK_V tile (power of two >= 16), default 128 on GPU, 512 interpreted.
+            "triton_dz": the vocab chunk of its (T, chunk) dz buffer (default 8192).
         tp_group: process group of the vocab-parallel shards, or None.
         vocab_start: first global vocab id held by this rank's ``weight``.
         with_entropy: also return the entropy of the (tempered) distribution.
         temperature: logits are divided by it (> 0).
-        backend: "auto" | "triton" | "torch" (see the module docstring).
+        backend: "auto" | "triton" | "triton_dz" | "torch" (see the module docstring).
         reduce_grad_hidden: all-reduce dhidden over tp_group in the backward (default);
             False leaves each rank's partial dhidden for an enclosing reduction.
     Returns:
@@ -542,6 +639,8 @@ def token_logprobs(hidden, weight, targets, *, chunk_size=None, tp_group=None, v
         if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
             raise ValueError("Triton chunk_size must be a power of two >= 16")
         chunk = chunk_size
+    elif be == "triton_dz":
+        chunk = chunk_size  # the dz buffer's vocab chunk (None: DZ_CHUNK)
     else:
         chunk = chunk_size or TORCH_CHUNK
     lp, ent = _TokenLogprobsFn.apply(hidden, weight, targets, int(vocab_start), tp_group,

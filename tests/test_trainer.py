@@ -53,7 +53,8 @@ def test_two_steps_equal_budget(tmp_path, allocator):
 @pytest.mark.slow
 def test_trace_c_credit_and_kl(tmp_path):
     rows = _train(tmp_path, "steps=1", "credit.enabled=true", "credit.answer_template=goal", "loss.kl_coef=0.01")
-    assert rows[0]["loss/kl"] >= 0.0 and rows[0]["loss/skipped"] == 0.0
+    assert rows[0]["loss/kl_ref"] >= 0.0 and rows[0]["loss/skipped"] == 0.0
+    assert rows[0]["loss/token_entropy"] > 0.0 and rows[0]["time/credit_s"] > 0.0
 
 
 @pytest.mark.slow

@@ -65,9 +65,14 @@ class Trainer:
         self.engine = self._engine(init_dir) if self.is_main else None
         self.agent = (AgentLoop(self.env, self.engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s)
                       if self.is_main else None)
-        self.allocator = build_allocator(cfg.allocation)
-        self.fallback = build_allocator(dataclasses.replace(cfg.allocation, name=_FALLBACK.get(cfg.allocation.name,
-                                                                                               cfg.allocation.name)))
+        # On GPU the solvers run on the predictions' device without host syncs: no input
+        # validation and a static prefix-table width (the most prefixes one prompt can have).
+        on_gpu = self.learner.groups.device.type == "cuda"
+        sync_free = dict(check=False, max_group_size=cfg.allocation.rollouts_per_prompt_max * cfg.rollout.max_turns)
+        alloc_kw = sync_free if on_gpu else {}
+        self.allocator = build_allocator(cfg.allocation, **alloc_kw)
+        fallback = _FALLBACK.get(cfg.allocation.name, cfg.allocation.name)
+        self.fallback = build_allocator(dataclasses.replace(cfg.allocation, name=fallback), **alloc_kw)
         self.predictor = build_predictor(cfg.predictor, hidden_size=self.learner.hidden_size,
                                          vocab_size=self.learner.model_cfg.vocab_size).to(self.learner.groups.device)
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
@@ -83,6 +88,7 @@ class Trainer:
         cfg = self.cfg
         steps = range(self.step, cfg.steps)
         for step in tqdm(steps, desc="train", disable=not (self.is_main and cfg.telemetry.progress_bars)):
+            # A CPU generator: the allocators draw on the host and move the draws to v's device.
             timer, gen = PhaseTimer(), torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
             stats0 = dataclasses.asdict(self.agent.stats) if self.is_main else {}
             allocator = self.fallback if self.use_fallback else self.allocator
@@ -90,17 +96,17 @@ class Trainer:
                 tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]   # 1
                 roots = [RolloutTree(t.task_id, self.scaffold.prompt_ids(t)) for t in tasks]
                 v_root = self._score(pack(roots), None)                                                # 2
-                m = allocator.plan_roots(v_root, gen)                                                  # 3
+                m = allocator.plan_roots(v_root, gen).cpu()                                            # 3
                 self.env.reseed(cfg.seed * 1_000_003 + step)
                 with timer("rollout"):                                                                  # 4
                     trees = share_trees(self.agent.rollout(tasks, m.tolist(), seed=2 * step) if self.is_main else None)
                 bare = pack(trees)
                 cand = prefix_candidates(bare)                                                         # 5
                 v_pref = self._score(bare, cand.node)                                                  # 6
-                k = allocator.plan_prefixes(v_pref, cand.r, cand.group, m, gen)                         # 7
+                k = allocator.plan_prefixes(v_pref, cand.r.to(v_pref), cand.group.to(v_pref.device), m, gen)  # 7
                 with timer("expand"):                                                                   # 8
                     if self.is_main:
-                        self.agent.expand(trees, cand.branch_points(k), seed=2 * step + 1)
+                        self.agent.expand(trees, cand.branch_points(k.cpu()), seed=2 * step + 1)
                         AgentLoop.release(trees)
                 trees = share_trees([t for t, mi in zip(trees, m.tolist()) if mi > 0])                 # 9
                 packed = pack(trees)
@@ -127,9 +133,9 @@ class Trainer:
         if nodes is None:
             nodes = torch.nonzero(packed.node_parent < 0).flatten()
         if nodes.numel() == 0:
-            return torch.zeros(0)
+            return torch.zeros(0, dtype=torch.float64, device=self.learner.groups.device)
         hidden = self.learner.hidden_states(packed) if self.predictor.needs_policy_hidden else None
-        return self.predictor.predict(packed, nodes, hidden).cpu().double()
+        return self.predictor.predict(packed, nodes, hidden).double()  # stays on the device for the solvers
 
     def _fit_predictor(self, packed: PackedTrees) -> dict[str, Any]:
         samples = predictor_samples(packed, self.cfg.predictor.prefix_sample_fraction)

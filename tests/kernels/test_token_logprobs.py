@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import trace_mega.kernels.token_logprobs as tlp
 from trace_mega.kernels.token_logprobs import token_logprobs, token_logprobs_reference
 
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "triton_dz", "torch"]
+TP_BACKENDS = ["triton", "torch"]  # the TP combine / all-reduce is backend-independent
 # (forward atol, gradient tolerance relative to the largest reference gradient)
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (1e-4, 2e-2)}
 
@@ -63,7 +64,7 @@ def test_matches_reference(backend, dtype, with_entropy, temperature):
     g = torch.Generator().manual_seed(1)
     g_lp, g_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
     kw = dict(with_entropy=with_entropy, temperature=temperature)
-    chunk = 256 if backend == "triton" else 300  # several chunks; 300 does not divide V
+    chunk = {"triton": 256, "triton_dz": 384, "torch": 300}[backend]  # several, uneven chunks
     lp, ent, dh, dw = _run(token_logprobs, h, w, y, g_lp, g_ent, backend=backend,
                            chunk_size=chunk, **kw)
     lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, **kw)
@@ -266,7 +267,7 @@ def _tp_worker(rank, world, port, split, backend, results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TP_BACKENDS)
 def test_vocab_parallel_two_gloo_ranks(backend):
     import torch.multiprocessing as mp
 
@@ -303,13 +304,14 @@ def test_vocab_parallel_two_gloo_ranks(backend):
 # GPU (native Triton): realistic sizes, memory bound
 # ----------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "triton_dz"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_matches_reference(dtype):
+def test_gpu_matches_reference(dtype, backend):
     T, V, H = 1031, 32003, 512
     h, w, y = (t.cuda() for t in _problem(T, V, H, dtype, scale=0.05))
     g_lp, g_ent = torch.randn(T, device="cuda"), torch.randn(T, device="cuda")
     lp, ent, dh, dw = _run(token_logprobs, h, w, y, g_lp, g_ent, with_entropy=True,
-                           temperature=0.8)
+                           temperature=0.8, backend=backend)
     lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, with_entropy=True, temperature=0.8)
     atol = 2e-3 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(lp, lr, atol=atol, rtol=0)
@@ -356,7 +358,8 @@ def _aot_compile(module):
 def test_gpu_kernels_compile_for_sm90():
     """The interpreter never runs the native-dtype (non-UPCAST) paths; ptxas must accept them."""
     pytest.importorskip("triton.backends.nvidia")
-    assert _aot_compile("trace_mega.kernels.token_logprobs") == 8  # fwd/bwd x bf16/fp32 x entropy
+    # (fwd, atomic bwd, dz bwd) x (bf16, fp32) x (entropy or not)
+    assert _aot_compile("trace_mega.kernels.token_logprobs") == 12
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

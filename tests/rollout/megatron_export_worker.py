@@ -10,6 +10,8 @@ Writes
 * DIR/policy_b.safetensors — policy B (seed 1) as the `convert.export_hf`
   stream (name -> full tensor): the weight update the engines receive.
 Both are random Megatron-initialised TreeGPTModels of the same Qwen3 shape.
+The config carries no `architectures` (like the trainer's `hf_config`), so
+the engines must cope with what the converter writes.
 """
 import argparse
 from pathlib import Path
@@ -29,7 +31,7 @@ def hf_config() -> Qwen3Config:
     return Qwen3Config(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=["Qwen3ForCausalLM"],
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
     )
 
 

@@ -25,7 +25,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from trace_mega.learner.models import unwrap
@@ -41,11 +42,21 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+# The distributed optimizer's state as one ShardedTensor per contiguous buffer
+# (megatron-LM's default; fully parallel, reshardable over DP only). 0.16.1's
+# own default, 'fully_sharded_model_space', fails with "ShardedTensor.flattened_range
+# is not supported".
+_CONTENT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+
+
 def _sharded_state(chunks: list[torch.nn.Module], optimizer: MegatronOptimizer, is_loading: bool) -> dict:
     if len(chunks) != 1:
         raise ValueError("checkpointing supports one model chunk per rank (no virtual pipeline)")
-    model_sd = unwrap(chunks[0]).sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    model_sd = unwrap(chunks[0]).sharded_state_dict(metadata=_CONTENT_METADATA)
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_CONTENT_METADATA),
+    }
 
 
 def _rng_state() -> dict:
@@ -85,7 +96,7 @@ def save_checkpoint(
     state = _sharded_state(chunks, optimizer, is_loading=False)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, str(tmp))
+    dist_checkpointing.save(state, str(tmp), content_metadata=_CONTENT_METADATA)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{groups.rank:05d}.pt")
     if groups.rank == 0:
         meta = {"step": step, "world_size": groups.world_size, **(trainer_state or {})}
@@ -113,6 +124,20 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     return done[-1] if done else None
 
 
+def _allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
+    """Give a fresh DistributedOptimizer its Adam state before building the load request.
+
+    Without Apex/TE, 0.16.1's `DistributedOptimizer.state_dict()` reads each
+    state's `step` and asserts on a never-stepped optimizer. megatron's own
+    helper takes one zero-gradient step; every value it touches (moments, step,
+    model weights) is overwritten by the load that follows.
+    """
+    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for opt in opts:
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     chunks: list[torch.nn.Module],
@@ -128,11 +153,14 @@ def load_checkpoint(
     """
     path = Path(path)
     meta = json.loads((path / _STATE_FILE).read_text())
+    _allocate_optimizer_state(optimizer)
     state = _sharded_state(chunks, optimizer, is_loading=True)
     # Non-sharded ("common") entries such as the scheduler come back as saved.
     loaded = dist_checkpointing.load(state, str(path))
-    unwrap(chunks[0]).load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    # In-place copies into (views of) parameters that require grad.
+    with torch.no_grad():
+        unwrap(chunks[0]).load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     rng_file = path / "rng" / f"rank_{groups.rank:05d}.pt"

@@ -192,6 +192,7 @@ class Learner:
         raw.pop("loss", None)
         mask_tokens = max(raw.pop("mask_tokens"), 1.0)
         out["loss/logprob_mismatch"] = raw.pop("mismatch_sum") / mask_tokens
+        out["loss/token_entropy"] = raw.pop("entropy_tok_sum") / mask_tokens
         for k, v in raw.items():  # unit-weighted sums of the loss metrics
             out[f"loss/{k.removesuffix('_sum')}"] = v / units
         return out
@@ -210,6 +211,7 @@ class Learner:
             mask = mb.loss_mask.to(lp.device)
             metrics = {f"{k}_sum": v.detach().float() * units for k, v in out.metrics.items()}
             metrics["mismatch_sum"] = ((lp.detach() - mb.behaviour_logprobs.to(lp)).abs() * mask).sum()
+            metrics["entropy_tok_sum"] = (ent.detach() * mask).sum()
             metrics["mask_tokens"] = mask.sum().float()
             return out.loss * units, units, metrics
 

@@ -15,7 +15,8 @@ GPU (`--device cuda`, default when CUDA is available): median time (CUDA events)
 torch.cuda.max_memory_allocated above the inputs, achieved TFLOP/s (useful FLOPs:
 2TVH forward, 6TVH forward+backward) and effective bandwidth (compulsory bytes: read
 hidden + weight, write the outputs/gradients) for `reference`, `fused_triton` (atomic
-backward), `fused_triton_dz` (dz buffer + GEMM backward) and `fused_torch`, plus the max |difference| of the fused log-probs from the reference.
+backward), `fused_triton_dz` (dz buffer + GEMM backward) and `fused_torch`, plus the
+max |difference| of the fused log-probs from the reference.
 
     python benchmarks/bench_token_logprobs.py [--T 4096 --V 151936 --H 128] [--json out.json]
 """
@@ -249,9 +250,15 @@ def main():
         ref, fu = by[("reference", mode)], by[(fused, mode)]
         summary[f"{mode}_peak_memory_ratio"] = ref["peak_extra_bytes"] / max(fu["peak_extra_bytes"], 1)
         summary[f"{mode}_speedup"] = ref["seconds"] / fu["seconds"]
+        if gpu:  # the alternative backward, for the choice of the default on hardware
+            dz = by[("fused_triton_dz", mode)]
+            summary[f"{mode}_triton_dz_peak_memory_ratio"] = (
+                ref["peak_extra_bytes"] / max(dz["peak_extra_bytes"], 1))
+            summary[f"{mode}_triton_dz_speedup"] = ref["seconds"] / dz["seconds"]
     # the full-scale case, analytically (bf16 Qwen3-14B-like output layer)
     full = {f"{m}/{mode}": analytic_bytes(m, mode, 16384, 151936, 5120, 2, args.chunk)
-            for m in ("reference", "fused_torch", "fused_triton") for mode in ("fwd", "fwd_bwd")}
+            for m in ("reference", "fused_torch", "fused_triton", "fused_triton_dz")
+            for mode in ("fwd", "fwd_bwd")}
     print("\nanalytic peak extra bytes at T=16384 V=151936 H=5120 bf16 (GiB):")
     for k, v in full.items():
         print(f"  {k:22s} {v / 2**30:8.2f}")

@@ -20,7 +20,7 @@ def cfg(**kw):
 def walk_state(tok, prefix):
     """(goal, current cell) read from the prefix tokens: `start S goal G`, then the last `<tool_response> at X`."""
     toks = tok.convert_ids_to_tokens(prefix)
-    goal = int(toks[toks.index("goal") + 1])
+    goal = int(toks[len(toks) - 1 - toks[::-1].index("goal") + 1])  # the latest goal (multi-turn tasks move it)
     pos = int(toks[toks.index("start") + 1])
     for i in range(1, len(toks) - 1):
         if toks[i] == "at" and toks[i - 1] == "<tool_response>":
@@ -401,3 +401,71 @@ def test_compression_ratio_agent_loop_batch():
     print(f"\nagent-loop batch: {p.leaf_nodes.numel()} trajectories, packed {p.num_tokens} tokens, "
           f"flattened {p.flattened_num_tokens()} tokens, compression {p.compression_ratio():.2f}x")
     assert p.compression_ratio() > 2.0
+
+
+class TwoLegEnv(SyntheticToolsEnv):
+    """A multi-turn walk: after the first answer the user asks for a second goal and reveals a new tool."""
+
+    EXTRA = {"type": "function", "function": {"name": "reveal", "parameters": {"type": "object", "properties": {}}}}
+
+    def next_turn(self, state, final_answer):
+        if state.data.get("leg", 0) == 1:
+            return None
+        state.data["leg"] = 1
+        state.data["first_ok"] = state.data["pos"] == state.task.meta["goal"]
+        state.data["goal2"] = 0
+        state.data["tools"] = list(state.task.tools) + [self.EXTRA]
+        return [{"role": "user", "content": "goal 0"}]
+
+    def reward(self, state, final_answer):
+        return float(final_answer == "done" and state.data.get("first_ok", False) and state.data.get("leg") == 1
+                     and state.data["pos"] == state.data["goal2"])
+
+
+def test_multi_turn_task_next_user_turn_and_revealed_tools():
+    env = TwoLegEnv()
+    tok = env.tokenizer
+    reveal = tok.convert_tokens_to_ids(REVEAL)
+    walk = oracle(tok, thought=())
+    state = {"revealed": False}
+
+    def script(prefix, rng):  # after the second user turn, call the newly revealed tool once
+        toks = tok.convert_ids_to_tokens(prefix)
+        if toks.count("goal") == 2 and not state["revealed"]:
+            state["revealed"] = True
+            return [reveal]
+        return walk(prefix, rng)
+
+    loop = AgentLoop(env, ScriptedEngine(script), tok, cfg(max_turns=10))
+    task = next(t for t in icefree(env) if t.meta["start"] == 1 and t.meta["goal"] == 2)
+    (tree,) = loop.rollout([task], [1], seed=0)
+    path = tree.path(tree.leaves()[0])
+    kinds = [tree.nodes[n].kind for n in path[1:]]
+    assert kinds == ["tool", "final", "tool", "tool", "tool", "final"]  # right, answer | reveal, left, left, answer
+    mid = tree.nodes[path[2]]
+    assert mid.reward is None and mid.info["next_turn"] and mid.observation == "goal 0"
+    assert tok.convert_ids_to_tokens(mid.token_ids[mid.info["num_generated"]:]) == [
+        "<|im_end|>", "<|im_start|>", "user", "goal", "0", "<|im_end|>", "<|im_start|>", "assistant"]
+    assert mid.loss_mask == [1] + [0] * 8
+    # the revealed tool parses (validated against state.data["tools"]); the walk env then rejects it itself
+    rev = tree.nodes[path[3]]
+    assert rev.info["tool_calls"] == [{"name": "reveal", "arguments": {}}] and "error" not in rev.info
+    assert tree.nodes[path[-1]].reward == 1.0
+    # the whole path is the chat template's render of the two-turn conversation
+    msgs = list(task.messages)
+    for n in path[1:]:
+        node = tree.nodes[n]
+        msgs.append({"role": "assistant", "content": node.text})
+        if node.observation:
+            msgs.append({"role": "user" if node.info.get("next_turn") else "tool", "content": node.observation})
+    full = tok.apply_chat_template(msgs, tools=task.tools, tokenize=True, return_dict=False)
+    stream = tree.prefix_token_ids(path[-1])
+    assert stream == list(full)[: len(stream)]
+    # branching after the first answer continues the second user turn
+    loop.expand([tree], [(0, path[2], 2)], seed=1)
+    for leaf in tree.leaves()[1:]:
+        assert tree.nodes[leaf].reward == 1.0 and tree.path(leaf)[:3] == path[:3]
+    # a turn limit inside the second leg: truncated, reward(state, None)
+    (short,) = AgentLoop(env, ScriptedEngine(walk), tok, cfg(max_turns=2)).rollout([task], [1])
+    leaf = short.nodes[short.leaves()[0]]
+    assert leaf.kind == "final" and leaf.info["truncated"] == "max_turns" and leaf.reward == 0.0

@@ -369,14 +369,23 @@ class ReactScaffold:
         )
         return [int(i) for i in ids]
 
-    def _observation_text(self, observations: list[str]) -> str:
-        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARKER}]
-        probe += [{"role": "tool", "content": o} for o in observations]
+    def _continuation_text(self, messages: list[dict[str, Any]]) -> str:
+        """What the template writes after an assistant turn when `messages` follow, up to the next generation prompt."""
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARKER}, *messages]
         text = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
         at = text.find(_MARKER)
         if at < 0:
             raise ValueError("the chat template drops assistant content; observations cannot be rendered from it")
         return text[at + len(_MARKER):]
+
+    def _observation_text(self, observations: list[str]) -> str:
+        return self._continuation_text([{"role": "tool", "content": o} for o in observations])
+
+    def _append_ids(self, generated_ids: list[int], text: str) -> list[int]:
+        ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+        if ids and generated_ids and generated_ids[-1] == ids[0] and ids[0] in self.end_of_turn_ids:
+            ids = ids[1:]
+        return ids
 
     def defuse(self, observation: str) -> str:
         """`observation` with every control-token string (e.g. `<|im_end|>`, `</tool_response>`) broken by a
@@ -388,11 +397,12 @@ class ReactScaffold:
 
     def observation_ids(self, generated_ids: list[int], observations: list[str]) -> list[int]:
         """Ids to append after `generated_ids`: end of the assistant turn, tool messages, next generation prompt."""
-        text = self._observation_text([self.defuse(o) for o in observations])
-        ids = [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
-        if ids and generated_ids and generated_ids[-1] == ids[0] and ids[0] in self.end_of_turn_ids:
-            ids = ids[1:]
-        return ids
+        return self._append_ids(generated_ids, self._observation_text([self.defuse(o) for o in observations]))
+
+    def user_turn_ids(self, generated_ids: list[int], messages: list[dict[str, Any]]) -> list[int]:
+        """Ids to append after an answer when a multi-turn task goes on (`Env.next_turn`): the end of the
+        assistant turn, the new user message(s) as the template renders them, the next generation prompt."""
+        return self._append_ids(generated_ids, self._continuation_text(messages))
 
     def decode(self, ids: list[int]) -> str:
         """Generated text for the parser (special tokens such as <|im_end|> dropped)."""

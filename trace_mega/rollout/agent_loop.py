@@ -21,7 +21,12 @@ Episode ends (the last node becomes a leaf with a reward):
   ``env.reward(state, None)``; the tool call of a turn cut by a limit is not
   executed, and an observation that would cross the token limit is dropped.
 A turn cut at `max_new_tokens_per_turn`, malformed output, a failing or hanging
-tool all become error observations and the episode goes on.
+tool all become error observations and the episode goes on. In a multi-turn
+task (`Env.next_turn` overridden) a final answer ends the current user turn:
+the next user message(s) are appended to the answer node (kind ``final``,
+loss 0 on them) and the episode goes on; the reward comes when `next_turn`
+returns None. Tool calls are validated against ``state.data["tools"]`` when the
+env keeps one (tools revealed mid-episode), else ``task.tools``.
 
 Branching needs the environment state after every turn: the loop keeps one
 `EpisodeState` per non-terminal node in ``tree.runtime["states"]`` (tools run on
@@ -129,6 +134,8 @@ class AgentLoop:
             raise ValueError(f"need tool_timeout_s > 0 and tool_workers >= 1, got {tool_timeout_s}, {tool_workers}")
         self.env, self.engine, self.cfg = env, engine, rollout_cfg
         self.scaffold = ReactScaffold(tokenizer)
+        # Multi-turn tasks (Env.next_turn overridden): an answer may be followed by a new user turn.
+        self._multi_turn = type(env).next_turn is not Env.next_turn
         self.tool_timeout_s = float(tool_timeout_s)
         self.tool_workers = int(tool_workers)
         self._pool = cf.ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
@@ -226,8 +233,8 @@ class AgentLoop:
                 if turn is not None:
                     jobs.append(turn)
             self._run_tools(jobs, stats)
-            for ep, gen, lp, parsed, info, job in jobs:
-                if self._attach_observation(trees[ep.tree_idx], ep, gen, lp, parsed, info, job, stats):
+            for ep, gen, lp, parsed, info, job, user in jobs:
+                if self._attach_observation(trees[ep.tree_idx], ep, gen, lp, parsed, info, job, user, stats):
                     live.append(ep)
         self.last_stats = stats
         self.stats.add(stats)
@@ -246,16 +253,30 @@ class AgentLoop:
         stats.cached_prefix_tokens += comp.cached_prefix_tokens
         stats.length_cut_turns += int(cut)
         tree.meta["generated_tokens"] = tree.meta.get("generated_tokens", 0) + len(gen)
-        parsed = self.scaffold.parse(gen, ep.state.task.tools, truncated=cut)
+        # Tools offered now: an env may extend them mid-episode (BFCL miss_func reveals functions).
+        tools = ep.state.data.get("tools", ep.state.task.tools)
+        parsed = self.scaffold.parse(gen, tools, truncated=cut)
         info = {"finish_reason": "length" if cut else comp.finish_reason, "num_generated": len(gen),
                 "cached_prefix_tokens": comp.cached_prefix_tokens}
         ep.turns += 1
         if parsed.final_answer is not None:
             stats.final_answers += 1
-            reward = float(self.env.reward(ep.state, parsed.final_answer))
-            stats.successes += int(reward > 0.5)
-            self._add(tree, ep, _node(gen, lp, [], "final", parsed, info, reward=reward))
-            return None
+            after, messages = ep.state, None
+            if self._multi_turn:  # the answer ends a user turn; the task may go on (on a fork: kept states stay)
+                after = self.env.fork(ep.state)
+                messages = self.env.next_turn(after, parsed.final_answer)
+            if messages is None:
+                reward = float(self.env.reward(after, parsed.final_answer))
+                stats.successes += int(reward > 0.5)
+                self._add(tree, ep, _node(gen, lp, [], "final", parsed, info, reward=reward))
+                return None
+            ep.state = after
+            info["next_turn"] = True
+            if ep.turns >= self.cfg.max_turns:
+                info["truncated"] = "max_turns"
+                self._end(tree, ep, _node(gen, lp, [], "final", parsed, info), stats)
+                return None
+            return ep, gen, lp, parsed, info, None, list(messages)
         if parsed.error is not None:
             stats.parse_errors += 1
             info["error"] = parsed.error
@@ -266,11 +287,11 @@ class AgentLoop:
         job = None
         if parsed.error is None:
             job = _ToolJob(self.env.step, self.env.fork(ep.state), parsed.tool_calls)
-        return ep, gen, lp, parsed, info, job
+        return ep, gen, lp, parsed, info, job, None
 
     def _run_tools(self, jobs: list, stats: RolloutStats) -> None:
         """Run the wave's tool jobs on the pool, `tool_workers` at a time, each with its timeout."""
-        pending = [j for *_, j in jobs if j is not None]
+        pending = [job for *_, job, _user in jobs if job is not None]
         for at in range(0, len(pending), self.tool_workers):
             chunk = pending[at:at + self.tool_workers]
             futures = {self._pool.submit(job.run): job for job in chunk}
@@ -293,9 +314,12 @@ class AgentLoop:
                 self._pool = cf.ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
             stats.tool_calls += sum(len(j.calls) for j in chunk)
 
-    def _attach_observation(self, tree, ep, gen, lp, parsed: ParsedTurn, info, job: Optional[_ToolJob], stats) -> bool:
-        """Append the observation of a turn; True when the episode goes on."""
-        if job is None:
+    def _attach_observation(self, tree, ep, gen, lp, parsed: ParsedTurn, info, job: Optional[_ToolJob],
+                            user: Optional[list[dict[str, Any]]], stats) -> bool:
+        """Append what follows a turn (tool results, an error, or the next user turn); True when the episode goes on."""
+        if user is not None:
+            observations = [str(m.get("content", "")) for m in user]
+        elif job is None:
             observations = [error_observation(parsed.error)]
         else:
             observations = job.observations
@@ -305,8 +329,10 @@ class AgentLoop:
                 info["tool_timeout"] = True
             else:
                 ep.state = job.state
-        obs = self.scaffold.observation_ids(gen, observations)
-        kind = "error" if parsed.error else "tool"
+        if user is not None:
+            obs, kind = self.scaffold.user_turn_ids(gen, user), "final"
+        else:
+            obs, kind = self.scaffold.observation_ids(gen, observations), "error" if parsed.error else "tool"
         if len(ep.prefix) + len(gen) + len(obs) > self.cfg.max_total_tokens:
             info["truncated"] = "max_total_tokens"
             info["observation_dropped"] = True

@@ -84,6 +84,8 @@ def test_greedy_equals_torch_engine(engine, models):
     from trace_mega.rollout.engines.vllm_engine import VLLMEngine
 
     assert isinstance(engine, VLLMEngine)
+    # The exported config names no architecture; the engine must pick vLLM's native Qwen3.
+    assert engine.llm.llm_engine.vllm_config.model_config.architectures == ["Qwen3ForCausalLM"]
     _assert_same(engine.generate(PROMPTS, GREEDY), torch_engine(models, "a").generate(PROMPTS, GREEDY))
 
 

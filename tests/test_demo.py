@@ -1,0 +1,37 @@
+"""`trace-mega demo` and `eval` as a user runs them (shortened), in a real subprocess."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = ["steps=2", "allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12", "rollout.max_turns=4",
+         "telemetry.tensorboard=false", "telemetry.progress_bars=false"]
+
+
+def _run(args, timeout=400):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "trace_mega.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_demo_writes_a_report_comparing_uniform_and_trace(tmp_path):
+    proc = _run(["demo", "--out", str(tmp_path), *SHORT])
+    report = (tmp_path / "report.md").read_text()
+    assert "| uniform |" in report and "| trace |" in report and "effective_ratio_mean" in report
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    for method in ("uniform", "trace"):
+        assert len((tmp_path / method / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "report:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_eval_reports_the_success_rate(tmp_path):
+    proc = _run(["eval", "--config", "configs/demo_cpu.yaml", *SHORT, f"telemetry.out_dir={tmp_path}"])
+    assert "eval/test/reward" in proc.stdout

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from trace_mega.rollout.engines import ENGINES, SamplingParams
+from trace_mega.rollout.engines import ENGINES, EngineStats, SamplingParams
 
 
 def _tiny_model(args):
@@ -58,6 +58,12 @@ def run_workload(engine, args) -> dict:
     """Bare rollouts then K branches per rollout at turn boundary `branch_turn`; returns counts, time, samples."""
     rng = random.Random(0)
     prompts = [[rng.randrange(args.vocab) for _ in range(args.prompt)] for _ in range(args.prompts)]
+    # Warm-up outside the timing (first-call costs), then drop its caches (sleep/wake does
+    # on both engines) and its counts, so both runs start alike.
+    engine.generate(prompts[:1], SamplingParams(temperature=1.0, max_new_tokens=args.gen, seed=0))
+    engine.sleep()
+    engine.wake_up()
+    engine.stats = EngineStats()
     bare_start = [p for p in prompts for _ in range(args.m)]
     t0 = time.perf_counter()
     # Bare rollouts, recording the history at the branch boundary.

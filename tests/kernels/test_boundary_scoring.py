@@ -1,6 +1,8 @@
 """Fused boundary scoring (gather + value head + sigmoid) vs the PyTorch reference."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import trace_mega.kernels.boundary_scoring as bsm
 from trace_mega.kernels.boundary_scoring import boundary_scores, boundary_scores_reference
@@ -89,6 +91,23 @@ def test_strided_hidden_and_partial_grads(backend):
     _close_grad(w.grad, w2.grad, 1e-5)
     _close_grad(b.grad, b2.grad, 1e-5)
     torch.testing.assert_close(s, boundary_scores_reference(h, pos, w, b).detach())
+
+
+@settings(max_examples=15, deadline=None)
+@given(T=st.integers(1, 40), H=st.integers(1, 300), P=st.integers(1, 300),
+       seed=st.integers(0, 10_000))
+def test_triton_matches_reference_property(T, H, P, seed):
+    """Random shapes, heavy repetition (P up to ~7x T): kernel == reference, all grads."""
+    h, w, b, pos = _problem(T, H, P, torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    g_s, g_l = torch.randn(P, generator=g), torch.randn(P, generator=g)
+    backend = "triton" if bsm._INTERPRET or torch.cuda.is_available() else "torch"
+    got = _run(boundary_scores, h, w, b, pos, g_s, g_l, backend=backend)
+    ref = _run(boundary_scores_reference, h, w, b, pos, g_s, g_l)
+    for a, r in zip(got[:2], ref[:2]):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+    for a, r in zip(got[2:], ref[2:]):
+        _close_grad(a, r, 1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -168,17 +168,17 @@ def _kv(n):
 
 def test_prefix_cache_lru_bound_and_subsumption():
     cache = PrefixKVCache(max_tokens=10)
-    cache.insert(torch.tensor([1, 2, 3]), _kv(3))
-    cache.insert(torch.tensor([1, 2, 3, 4, 5]), _kv(5))  # extends [1,2,3]: replaces it
+    cache.insert([1, 2, 3], _kv(3))
+    cache.insert([1, 2, 3, 4, 5], _kv(5))  # extends [1,2,3]: replaces it
     assert len(cache) == 1 and cache.tokens_held == 5
-    cache.insert(torch.tensor([1, 2]), _kv(2))  # covered by [1..5]: nothing new stored
+    cache.insert([1, 2], _kv(2))  # covered by [1..5]: nothing new stored
     assert len(cache) == 1
-    cache.insert(torch.tensor([7, 8, 9]), _kv(3))
-    entry, n = cache.lookup(torch.tensor([1, 2, 3, 9]))
+    cache.insert([7, 8, 9], _kv(3))
+    entry, n = cache.lookup([1, 2, 3, 9])
     assert n == 3 and entry.tokens.tolist() == [1, 2, 3, 4, 5]  # now most recently used
-    cache.insert(torch.tensor([4, 4, 4, 4]), _kv(4))  # 12 > 10 tokens: evicts the LRU, [7,8,9]
-    assert cache.tokens_held == 9 and cache.lookup(torch.tensor([7, 8]))[1] == 0
-    cache.insert(torch.arange(11), _kv(11))  # larger than the whole budget: not stored
+    cache.insert([4, 4, 4, 4], _kv(4))  # 12 > 10 tokens: evicts the LRU, [7,8,9]
+    assert cache.tokens_held == 9 and cache.lookup([7, 8])[1] == 0
+    cache.insert(list(range(11)), _kv(11))  # larger than the whole budget: not stored
     assert cache.tokens_held == 9
 
 

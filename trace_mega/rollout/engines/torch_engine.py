@@ -33,8 +33,9 @@ import inspect
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -46,8 +47,8 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class _Entry:
-    tokens: torch.Tensor
-    """[L] int64 token ids whose KV is held."""
+    tokens: np.ndarray
+    """[L] int64 token ids whose KV is held (numpy: the prefix scans are many tiny compares)."""
     kv: KV
 
 
@@ -71,13 +72,14 @@ class PrefixKVCache:
         return len(self._entries)
 
     @staticmethod
-    def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-        m = min(a.numel(), b.numel())
-        diff = (a[:m] != b[:m]).nonzero()
-        return m if diff.numel() == 0 else int(diff[0])
+    def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+        m = min(a.size, b.size)
+        diff = np.flatnonzero(a[:m] != b[:m])
+        return m if diff.size == 0 else int(diff[0])
 
-    def lookup(self, tokens: torch.Tensor) -> tuple[Optional[_Entry], int]:
+    def lookup(self, tokens: Sequence[int]) -> tuple[Optional[_Entry], int]:
         """The entry sharing the longest prefix with `tokens` and that length (0 and None: no hit)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
         best_id, best_len = None, 0
         for eid, entry in self._entries.items():
             n = self._common_prefix(tokens, entry.tokens)
@@ -88,8 +90,9 @@ class PrefixKVCache:
         self._entries.move_to_end(best_id)
         return self._entries[best_id], best_len
 
-    def insert(self, tokens: torch.Tensor, kv: KV) -> None:
-        n = tokens.numel()
+    def insert(self, tokens: Sequence[int], kv: KV) -> None:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = tokens.size
         if n == 0 or n > self.max_tokens:
             return
         for eid, entry in list(self._entries.items()):
@@ -97,7 +100,7 @@ class PrefixKVCache:
             if common == n:  # already covered by a sequence that extends this one
                 self._entries.move_to_end(eid)
                 return
-            if common == entry.tokens.numel():  # the new sequence extends this one
+            if common == entry.tokens.size:  # the new sequence extends this one
                 self.tokens_held -= common
                 del self._entries[eid]
         self._entries[self._next_id] = _Entry(tokens, kv)
@@ -105,7 +108,7 @@ class PrefixKVCache:
         self.tokens_held += n
         while self.tokens_held > self.max_tokens:
             _, old = self._entries.popitem(last=False)
-            self.tokens_held -= old.tokens.numel()
+            self.tokens_held -= old.tokens.size
 
     def clear(self) -> None:
         self._entries.clear()
@@ -264,14 +267,14 @@ class TorchEngine(Engine):
             chunk = todo[start : start + self.max_batch_size]
             cache, mask, _ = self._prefill(chunk, need_logits=False)
             for b, r in enumerate(chunk):
-                self.cache.insert(torch.tensor(r.prefix), self._row_kv(cache, mask, b))
+                self.cache.insert(r.prefix, self._row_kv(cache, mask, b))
         return hit_before
 
     def _lookup(self, prefix: list[int]) -> tuple[Optional[_Entry], int]:
         """Cached KV usable for `prefix`: at most len-1 tokens, the last is fed to get the next logits."""
         if not self.enable_prefix_caching:
             return None, 0
-        entry, n = self.cache.lookup(torch.tensor(prefix))
+        entry, n = self.cache.lookup(prefix)
         n = min(n, len(prefix) - 1)
         return (entry, n) if n > 0 else (None, 0)
 
@@ -349,7 +352,7 @@ class TorchEngine(Engine):
                     reason = "stop" if t in stop else "length"
                     if self.enable_prefix_caching:
                         seq = rows[a].prefix + tokens[a][:-1]  # the last sampled token has no KV yet
-                        self.cache.insert(torch.tensor(seq), self._row_kv(cache, mask, j))
+                        self.cache.insert(seq, self._row_kv(cache, mask, j))
                     yield rows[a].index, Completion(tokens[a], lps[a], reason)
                 else:
                     keep.append(j)

@@ -123,8 +123,10 @@ class Trainer:
                     self._sync_weights()
             metrics |= tree_metrics(packed) | self._rollout_metrics(stats0) | timer.seconds | self.gpu.sample()
             metrics |= {"alloc/fallback": float(allocator is self.fallback), "data/prompt_hash": _hash(tasks)}
-            # NaN (no previous fit to compare with) never triggers the fallback.
-            self.use_fallback = cfg.predictor.fallback_to_uniform and metrics.get("predictor/skill", 0.0) < 0.0
+            # NaN (no previous fit to compare with) never triggers the fallback; allocators
+            # that ignore the predictor (uniform, treepo) have none.
+            self.use_fallback = (cfg.predictor.fallback_to_uniform and cfg.allocation.name in _FALLBACK
+                                 and metrics.get("predictor/skill", 0.0) < 0.0)
             self.sink.log(step, metrics, tag=f"[{allocator.name}] ")
             self.step = step + 1
             self._maybe_checkpoint()

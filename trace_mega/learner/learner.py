@@ -203,8 +203,11 @@ class Learner:
         def loss_fn(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
             mb: PackedTrees = batch["packed"]
             h = hidden[0, : mb.num_tokens]  # (T, H)
+            # Under sequence parallelism the model's hidden-state gather already sums the
+            # hidden gradient over TP in its backward; the kernel must not sum it again.
             lp, ent = packed_token_logprobs(h, output_weight(self.chunks[0]), mb, tp_group=g.pgs.tp,
-                                            vocab_start=self._vocab_start(self.chunks[0]), with_entropy=True)
+                                            vocab_start=self._vocab_start(self.chunks[0]), with_entropy=True,
+                                            reduce_grad_hidden=not self.policy.config.sequence_parallel)
             out = compute_loss(lp, mb, cfg, old_logprobs=lp.detach(), ref_logprobs=batch.get("ref_logprobs"),
                                entropy=ent)
             units = unit_count(mb, unit).to(lp)

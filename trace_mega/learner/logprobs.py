@@ -52,6 +52,7 @@ def packed_token_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     backend: str = "auto",
+    reduce_grad_hidden: bool = True,
 ):
     """Log-prob of every selected stream token under the logits at its `prev_index`.
 
@@ -65,6 +66,10 @@ def packed_token_logprobs(
         with_entropy: also return the entropy of each selected token's predictive distribution.
         temperature: logits are divided by it (use the sampling temperature for PPO ratios).
         backend: forwarded to the kernel ("auto" | "triton" | "torch").
+        reduce_grad_hidden: all-reduce the hidden gradient over `tp_group` in the kernel's
+            backward. Pass False when `hidden` came through a Megatron region whose backward
+            already sums over TP (the sequence-parallel gather of `TreeGPTModel`), or the
+            gradient is counted once per rank.
 
     Returns:
         logprobs (T,) fp32, 0 on unselected tokens; and entropy (T,) fp32 with `with_entropy`.
@@ -81,6 +86,7 @@ def packed_token_logprobs(
     out = token_logprobs(
         rows, output_weight, targets, tp_group=tp_group, vocab_start=vocab_start,
         with_entropy=with_entropy, temperature=temperature, backend=backend,
+        reduce_grad_hidden=reduce_grad_hidden,
     )
     if not with_entropy:
         return _scatter(out, sel, T)

@@ -1,0 +1,51 @@
+"""torchrun worker: one `Learner.train_step` on fixed rollout trees; rank 0 writes its metrics as JSON.
+
+argv: HF_DIR OUT_JSON TP SEQUENCE_PARALLEL(0|1)
+"""
+import json
+import sys
+
+import torch
+
+from trace_mega.config import AdvantageConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from trace_mega.learner.advantages import compute_advantages
+from trace_mega.learner.learner import Learner
+from trace_mega.rollout.tree import Node, RolloutTree, pack
+
+
+def trees(vocab: int) -> list[RolloutTree]:
+    g = torch.Generator().manual_seed(0)
+    tok = lambda n: torch.randint(1, vocab, (n,), generator=g).tolist()  # noqa: E731
+    turn = lambda gen, obs: Node(0, tok(gen + obs), [1] * gen + [0] * obs, [-1.0] * gen + [0.0] * obs)  # noqa: E731
+    out = []
+    for i in range(3):
+        t = RolloutTree(f"p{i}", tok(5 + i))
+        a = t.add_node(0, turn(3, 2))
+        t.add_path(a, [turn(2, 3), turn(4, 0)], 1.0)
+        t.add_path(a, [turn(3, 0)], 0.0)
+        t.add_path(0, [turn(2, 1), turn(1, 0)], float(i % 2))
+        out.append(t)
+    return out
+
+
+def main() -> None:
+    hf_dir, out_json, tp, sp = sys.argv[1], sys.argv[2], int(sys.argv[3]), bool(int(sys.argv[4]))
+    cfg = TrainConfig(model=ModelConfig(hf_checkpoint=hf_dir),
+                      parallel=ParallelConfig(device="cpu", tensor_model_parallel_size=tp, sequence_parallel=sp),
+                      optim=OptimConfig(lr=1e-2, clip_grad_norm=0.0))
+    learner = Learner(cfg)
+    batch = trees(learner.model_cfg.vocab_size)
+    steps = []
+    for _ in range(2):  # the second step sees the weights the first one wrote
+        packed = pack(batch)
+        compute_advantages(packed, batch, AdvantageConfig(name="tree"))
+        steps.append(learner.train_step(batch, packed))
+    hidden = learner.hidden_states(pack(batch))
+    if learner.groups.rank == 0:
+        with open(out_json, "w") as f:
+            json.dump({"steps": steps, "hidden_sum": float(hidden.double().sum()),
+                       "hidden_abs": float(hidden.double().abs().sum())}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -105,24 +105,40 @@ class Learner:
     def _vocab_start(self, net: torch.nn.Module) -> int:
         return self.groups.tp_rank * output_weight(net).shape[0]
 
-    def _inputs(self, packed: PackedTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(1, Tp) ids and positions and the (2, 1, Tp) tree mask, padded to a multiple of the TP size."""
-        T, N = packed.num_tokens, packed.num_nodes
-        pad = (-T) % self.groups.tp_size
+    def _inputs(self, packed: PackedTrees, trees: slice = slice(None)) -> tuple[torch.Tensor, ...]:
+        """(1, Tp) ids and positions and the (2, 1, Tp) tree mask of `packed`'s trees `trees`,
+        padded to a multiple of the TP size (trees are independent, so a range of them is a
+        contiguous slice of the stream with its node ids shifted)."""
+        first, last = range(packed.num_trees)[trees][0], range(packed.num_trees)[trees][-1]
+        n0, n1 = int(packed.tree_node_offset[first]), int(packed.tree_node_offset[last + 1])
+        t0 = int(packed.node_start[n0])
+        t1 = int(packed.node_start[n1]) if n1 < packed.num_nodes else packed.num_tokens
+        pad = (-(t1 - t0)) % self.groups.tp_size
         dev = self.groups.device
-        tokens = torch.cat([packed.tokens, packed.tokens.new_zeros(pad)])
-        positions = torch.cat([packed.position_ids, torch.arange(pad)])
-        # Padding is one extra node N: it sees only itself, nothing sees it.
-        node = torch.cat([packed.token_node, torch.full((pad,), N)])
-        node_exit = torch.cat([packed.token_node_exit, torch.full((pad,), N)])
+        tokens = torch.cat([packed.tokens[t0:t1], packed.tokens.new_zeros(pad)])
+        positions = torch.cat([packed.position_ids[t0:t1], torch.arange(pad)])
+        # Padding is one extra node past the slice's last: it sees only itself, nothing sees it.
+        n_pad = n1 - n0
+        node = torch.cat([packed.token_node[t0:t1] - n0, torch.full((pad,), n_pad)])
+        node_exit = torch.cat([packed.token_node_exit[t0:t1] - n0, torch.full((pad,), n_pad)])
         mask = tree_attention_mask(node.to(dev), node_exit.to(dev))
         return tokens[None].to(dev), positions[None].to(dev), mask
 
     @torch.no_grad()
     def hidden_states(self, packed: PackedTrees) -> torch.Tensor:
-        """(T, H) policy hidden states after the final norm (no grad)."""
-        ids, pos, mask = self._inputs(packed)
-        return forward_packed(self.policy, ids, pos, mask, output="hidden")[0, : packed.num_tokens]
+        """(T, H) policy hidden states after the final norm (no grad), one forward per run of
+        consecutive trees holding at most `parallel.micro_batch_tokens` tokens."""
+        if packed.num_tokens == 0:
+            return torch.zeros(0, self.hidden_size, device=self.groups.device)
+        starts = packed.node_start[packed.tree_node_offset[:-1]].tolist() + [packed.num_tokens]
+        out, first = [], 0
+        for i in range(packed.num_trees):
+            if i + 1 == packed.num_trees or starts[i + 2] - starts[first] > self.cfg.parallel.micro_batch_tokens:
+                ids, pos, mask = self._inputs(packed, slice(first, i + 1))
+                hidden = forward_packed(self.policy, ids, pos, mask, output="hidden")[0]
+                out.append(hidden[: starts[i + 1] - starts[first]])
+                first = i + 1
+        return torch.cat(out)
 
     @torch.no_grad()
     def _reference_logprobs(self, packed: PackedTrees) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 argv: HF_DIR OUT_JSON TP SEQUENCE_PARALLEL(0|1)
 """
+import dataclasses
 import json
 import sys
 
@@ -41,10 +42,14 @@ def main() -> None:
         compute_advantages(packed, batch, AdvantageConfig(name="tree"))
         steps.append(learner.train_step(batch, packed))
     hidden = learner.hidden_states(pack(batch))
+    # One forward per tree (a 1-token budget) must give the same hidden states as one for all.
+    learner.cfg = dataclasses.replace(learner.cfg, parallel=dataclasses.replace(learner.cfg.parallel,
+                                                                                micro_batch_tokens=1))
+    chunk_diff = float((learner.hidden_states(pack(batch)) - hidden).abs().max())
     if learner.groups.rank == 0:
         with open(out_json, "w") as f:
             json.dump({"steps": steps, "hidden_sum": float(hidden.double().sum()),
-                       "hidden_abs": float(hidden.double().abs().sum())}, f)
+                       "hidden_abs": float(hidden.double().abs().sum()), "chunk_diff": chunk_diff}, f)
 
 
 if __name__ == "__main__":

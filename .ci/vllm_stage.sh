@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 VENV="${VLLM_VENV:-.venv-vllm}"
 PY="${PYTHON:-python3}"
 # Bump the suffix when the recipe below changes: an older venv is topped up.
-STAMP="$VENV/.trace_mega_vllm_recipe_2"
+STAMP="$VENV/.trace_mega_vllm_recipe_3"
 
 if [ ! -f "$STAMP" ]; then
   echo "[vllm_stage] creating $VENV"
@@ -27,7 +27,9 @@ if [ ! -f "$STAMP" ]; then
   # What our code and tests import beyond vllm's own dependencies; megatron-core
   # (deps: numpy, packaging, torch) lets the tests export the tiny policy from
   # our Megatron model through trace_mega.learner.convert.
-  "$VENV/bin/pip" install -q "pytest>=8" "pyyaml>=6" "safetensors>=0.4" "megatron-core==0.16.1"
+  # matplotlib and tqdm: the trainer's plots and progress bars (tests/test_trainer_vllm.py).
+  "$VENV/bin/pip" install -q "pytest>=8" "pyyaml>=6" "safetensors>=0.4" "megatron-core==0.16.1" \
+    "matplotlib>=3.8" "tqdm>=4.66"
   "$VENV/bin/pip" install -q -e . --no-deps
   "$VENV/bin/python" -c "import vllm, transformers, trace_mega; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
   touch "$STAMP"
@@ -43,4 +45,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 # The tests skip themselves where vLLM is missing; here that would hide a broken install.
 "$VENV/bin/python" -c "import vllm"
 # pytest's exit code is the stage's (5, no test collected, fails it too).
-exec "$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_engine.py "$@"
+exec "$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_engine.py tests/test_trainer_vllm.py "$@"

@@ -85,6 +85,8 @@ class RolloutConfig:
     """vLLM: fraction of GPU memory its KV cache may take (colocated with the learner)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes when branching."""
+    kv_block_size_tokens: Optional[int] = None
+    """vLLM KV-cache block size (prefix-cache hits come in whole blocks); None: vLLM's default."""
 
     def validate(self) -> None:
         require(self.temperature >= 0, "temperature", "must be >= 0")

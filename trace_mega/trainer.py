@@ -199,10 +199,11 @@ class Trainer:
             return TorchEngine(hf_config(self.learner.model_cfg), device=self.learner.groups.device,
                                enable_prefix_caching=rc.enable_prefix_caching,
                                eos_token_ids=[self.tokenizer.eos_token_id])
+        extra = {} if rc.kv_block_size_tokens is None else {"block_size": rc.kv_block_size_tokens}
         return ENGINES.get(rc.engine)(init_dir, enable_prefix_caching=rc.enable_prefix_caching,
                                       gpu_memory_utilization=rc.gpu_memory_utilization,
                                       max_model_len=rc.max_total_tokens, seed=self.cfg.seed,
-                                      eos_token_ids=[self.tokenizer.eos_token_id])
+                                      eos_token_ids=[self.tokenizer.eos_token_id], **extra)
 
     # --- checkpoints ---------------------------------------------------------------
     def _state(self) -> dict[str, Any]:

@@ -124,18 +124,43 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     return done[-1] if done else None
 
 
-def _allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
-    """Give a fresh DistributedOptimizer its Adam state before building the load request.
+def _load_request(chunks: list[torch.nn.Module], optimizer: MegatronOptimizer) -> dict:
+    """The sharded state dict to load into, for a possibly never-stepped optimizer.
 
     Without Apex/TE, 0.16.1's `DistributedOptimizer.state_dict()` reads each
-    state's `step` and asserts on a never-stepped optimizer. megatron's own
-    helper takes one zero-gradient step; every value it touches (moments, step,
-    model weights) is overwritten by the load that follows.
+    Adam state's `step` and asserts on a fresh optimizer. So a fresh one gets
+    megatron's own zero-gradient dummy step while the request is built, and
+    that dummy state is dropped again, so that `load_state_dict` allocates the
+    state itself and sets `step` from the checkpoint (it keeps an existing
+    state's dummy step otherwise). The dummy step's change to the weights is
+    overwritten by the model load.
     """
+    primed = [o for o in _distributed(optimizer) if len(o.optimizer.state) == 0]
+    for opt in primed:
+        opt._init_optimizer_states_with_dummy_values()
+    return _sharded_state(chunks, optimizer, is_loading=True)
+
+
+def _distributed(optimizer: MegatronOptimizer) -> list[DistributedOptimizer]:
     opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    for opt in opts:
-        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
-            opt._init_optimizer_states_with_dummy_values()
+    return [o for o in opts if isinstance(o, DistributedOptimizer)]
+
+
+def _restore_adam_steps(optimizer: MegatronOptimizer) -> None:
+    """Set every Adam state's `step` to its param group's restored `step`.
+
+    0.16.1's `load_state_dict` restores the step count into the param groups,
+    but then copies the load request's per-parameter `step` (the dummy step's)
+    back over the states.
+    """
+    for opt in _distributed(optimizer):
+        for group in opt.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                state = opt.optimizer.state.get(p)
+                if state and "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]))
 
 
 def load_checkpoint(
@@ -153,14 +178,14 @@ def load_checkpoint(
     """
     path = Path(path)
     meta = json.loads((path / _STATE_FILE).read_text())
-    _allocate_optimizer_state(optimizer)
-    state = _sharded_state(chunks, optimizer, is_loading=True)
+    state = _load_request(chunks, optimizer)
     # Non-sharded ("common") entries such as the scheduler come back as saved.
     loaded = dist_checkpointing.load(state, str(path))
     # In-place copies into (views of) parameters that require grad.
     with torch.no_grad():
         unwrap(chunks[0]).load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     rng_file = path / "rng" / f"rank_{groups.rank:05d}.pt"

@@ -22,8 +22,8 @@ TREE = {0: (-1, 6), 1: (0, 5), 2: (0, 4), 3: (2, 3), 4: (0, 3)}
 
 
 def tiny_hf_config(kind: str, tie: bool = False):
-    """A tiny random-init Qwen3 (`dense`) or Qwen3-MoE (`moe`) transformers config."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    """A tiny transformers config: Qwen3 (`dense`), Qwen3-MoE (`moe`), `qwen2` (QKV bias) or `llama`."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -32,19 +32,22 @@ def tiny_hf_config(kind: str, tie: bool = False):
     )
     if kind == "dense":
         return Qwen3Config(**common)
+    if kind == "qwen2":
+        return Qwen2Config(**{k: v for k, v in common.items() if k != "head_dim"})
+    if kind == "llama":
+        return LlamaConfig(**{k: v for k, v in common.items() if k != "head_dim"}, rope_theta=500000.0)
     return Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
 
 
 def save_tiny_hf(kind: str, out: Path, seed: int = 0, tie: bool = False) -> Path:
     """Create and save a random tiny HF model (fp32 safetensors); returns its directory."""
-    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cls = Qwen3ForCausalLM if kind == "dense" else Qwen3MoeForCausalLM
-    model = cls(tiny_hf_config(kind, tie)).eval()
-    with torch.no_grad():  # non-trivial norms so a wrong norm mapping shows
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind, tie)).eval()
+    with torch.no_grad():  # non-trivial norms and biases so a wrong mapping shows
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
     return out

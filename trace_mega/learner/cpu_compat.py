@@ -300,7 +300,7 @@ def enable_cpu_compat(device: str | torch.device = "cpu") -> bool:
     """Apply every patch in `PATCHES` once, iff `device` is CPU. Returns whether the layer is active.
 
     Refuses (RuntimeError) on a megatron-core other than the pinned version,
-    and on a CUDA-capable process, where the patches would hide real CUDA use.
+    and in a process that already uses CUDA, where the patches would break it.
     """
     global _ENABLED
     if torch.device(device).type != "cpu":
@@ -308,8 +308,8 @@ def enable_cpu_compat(device: str | torch.device = "cpu") -> bool:
     if _ENABLED:
         return True
     check_version(strict=True)
-    if torch.cuda.is_available():
-        raise RuntimeError("enable_cpu_compat: CUDA is available; run megatron-core on it instead of patching")
+    if torch.cuda.is_initialized():
+        raise RuntimeError("enable_cpu_compat: this process already uses CUDA; the CPU patches would break it")
     for patch in PATCHES:
         patch.apply()
     _ENABLED = True

@@ -176,6 +176,11 @@ class TreeGPTModel(GPTModel):
     the LM head, where each rank contributes a partial gradient.
     """
 
+    def __init__(self, *args: Any, true_vocab_size: Optional[int] = None, **kwargs: Any) -> None:
+        """GPTModel's arguments, plus the unpadded vocabulary size (default: `vocab_size`)."""
+        super().__init__(*args, **kwargs)
+        self.true_vocab_size = true_vocab_size or self.vocab_size
+
     def _rotary_at(self, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
         if self.position_embedding_type != "rope":
             return None
@@ -266,8 +271,8 @@ def build_model(
         position_embedding_type="rope",
         rotary_base=int(model.rotary_base),
         pg_collection=pgs,
+        true_vocab_size=model.vocab_size,
     )
-    net.true_vocab_size = model.vocab_size
     return net.to(device)
 
 

@@ -119,21 +119,19 @@ def _optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
 
 
 def _reduce_metrics(stored: list[dict], groups: ParallelGroups, device: torch.device) -> dict[str, float]:
-    """Sum micro-batch metrics, over DP on the last stage, then share with every PP stage."""
-    keys = sorted(stored[0]) if stored else []
-    n_keys = torch.tensor([len(keys)], device=device)
-    if groups.pp_size > 1:
-        dist.broadcast(n_keys, src=dist.get_global_rank(groups.pgs.pp, groups.pp_size - 1), group=groups.pgs.pp)
-    vals = torch.zeros(int(n_keys.item()), device=device)
+    """Sum micro-batch metrics, over DP on the last stage, then share them with every PP stage."""
+    last = dist.get_global_rank(groups.pgs.pp, groups.pp_size - 1)
+    keys = [sorted(stored[0]) if stored else []]
+    if groups.pp_size > 1:  # only the last stage ran the loss
+        dist.broadcast_object_list(keys, src=last, group=groups.pgs.pp)
+    keys = keys[0]
+    vals = torch.zeros(len(keys), device=device)
     for i, k in enumerate(keys):
-        vals[i] = sum(m[k] for m in stored)
+        vals[i] = sum(m[k] for m in stored) if stored else 0.0
     if groups.is_last_stage and groups.dp_size > 1:
         dist.all_reduce(vals, group=groups.pgs.dp_cp)
     if groups.pp_size > 1:
-        dist.broadcast(vals, src=dist.get_global_rank(groups.pgs.pp, groups.pp_size - 1), group=groups.pgs.pp)
-        names = [keys]
-        dist.broadcast_object_list(names, src=dist.get_global_rank(groups.pgs.pp, groups.pp_size - 1), group=groups.pgs.pp)
-        keys = names[0]
+        dist.broadcast(vals, src=last, group=groups.pgs.pp)
     return {k: float(v) for k, v in zip(keys, vals.tolist())}
 
 

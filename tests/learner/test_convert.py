@@ -53,6 +53,7 @@ def test_parity_and_export(setup, tp, ep):
     out = _run(root, dirs, tp, ep, f"tp{tp}_ep{ep}")
     for kind in KINDS:
         got = torch.load(out / f"{kind}_logp.pt")
+        assert got["head_diff"] <= 1e-5, f"{kind}: hidden @ output_weight != logits ({got['head_diff']:.2e})"
         for layout in ("causal", "tree"):
             diff = (got[layout] - ref[kind][layout]).abs().max().item()
             assert diff <= 1e-4, f"{kind} {layout} TP={tp}: max |dlogp| = {diff:.2e}"

@@ -1,7 +1,8 @@
 """torchrun worker: load tiny HF checkpoints into TreeGPTModel, write log-probs and an HF export.
 
 Usage: parity_worker.py --tp N --ep N --inputs inputs.pt --out DIR KIND=HF_DIR [KIND=HF_DIR ...]
-Writes (rank 0) DIR/<kind>_logp.pt {"tree": (1, T, V), "causal": (B, S, V)} log-softmax rows,
+Writes (rank 0) DIR/<kind>_logp.pt {"tree": (1, T, V), "causal": (B, S, V)} log-softmax rows
+and "head_diff" (max |hidden @ output_weight.T - vocab-parallel logits| over ranks),
 and DIR/<kind>_export/ (save_hf).
 """
 import argparse
@@ -13,7 +14,7 @@ from transformers import AutoConfig
 from trace_mega.config import ParallelConfig
 from trace_mega.learner.attention import tree_attention_mask
 from trace_mega.learner.convert import load_hf_into, save_hf
-from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf
+from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight
 from trace_mega.learner.parallel import destroy_parallel, init_parallel
 
 
@@ -39,8 +40,13 @@ def main() -> None:
             mask = tree_attention_mask(tree["token_node"], tree["token_node_exit"])
             tree_lp = forward_packed(net, tree["input_ids"], tree["position_ids"], mask, "full_logits").log_softmax(-1)
             causal_lp = forward_packed(net, causal["input_ids"], causal["position_ids"], None, "full_logits").log_softmax(-1)
+            # The split LM head: hidden states x this rank's vocab-parallel weight == this rank's logits.
+            hidden = forward_packed(net, tree["input_ids"], tree["position_ids"], mask, "hidden")
+            shard = forward_packed(net, tree["input_ids"], tree["position_ids"], mask, "logits")
+            head_diff = (hidden @ output_weight(net).t() - shard).abs().max()
+            torch.distributed.all_reduce(head_diff, op=torch.distributed.ReduceOp.MAX)
         if g.rank == 0:
-            torch.save({"tree": tree_lp, "causal": causal_lp}, Path(a.out) / f"{kind}_logp.pt")
+            torch.save({"tree": tree_lp, "causal": causal_lp, "head_diff": head_diff}, Path(a.out) / f"{kind}_logp.pt")
         save_hf(net, g, Path(a.out) / f"{kind}_export", hf_config)
     destroy_parallel()
 

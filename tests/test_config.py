@@ -43,9 +43,9 @@ def test_int_is_accepted_for_float_fields_and_optional_none():
 def test_yaml_with_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"steps": 3, "allocation": {"name": "uniform"}}))
-    cfg = load_yaml(TrainConfig, path, ["allocation.name=trace", "optim.lr=1e-2", "env.options.n=4"])
+    cfg = load_yaml(TrainConfig, path, ["allocation.name=trace", "optim.lr=1e-2", "env.options.width=4"])
     assert cfg.steps == 3 and cfg.allocation.name == "trace" and cfg.optim.lr == 0.01
-    assert cfg.env.options == {"n": 4}
+    assert cfg.env.options == {"width": 4}
     with pytest.raises(ConfigError, match="expected key=value"):
         load_yaml(TrainConfig, path, ["steps"])
 
@@ -67,3 +67,20 @@ def test_registry_lists_valid_names_on_error():
         reg.get("c")
     with pytest.raises(KeyError, match="registered twice"):
         reg.register("a")(3)
+
+
+@pytest.mark.parametrize(
+    "data, pattern",
+    [
+        ({"allocation": {"name": "tracee"}}, r"^allocation\.name: unknown allocator 'tracee'; valid names: pcl, trace"),
+        ({"loss": {"name": "ppo"}}, r"^loss\.name: unknown loss 'ppo'; valid names: dapo, gspo, ppo_clip_token"),
+        ({"advantage": {"name": "trace_credit"}}, r"^advantage\.name: picks the outcome term"),
+        ({"rollout": {"engine": "sglang"}}, r"^rollout\.engine: unknown rollout engine 'sglang'; valid names: torch, vllm"),
+        ({"env": {"name": "webshop"}}, r"^env\.name: unknown environment 'webshop'; valid names: bfcl_multi_turn"),
+        ({"env": {"name": "multihop_qa", "options": {"data_path": "x"}}},
+         r"^env\.options\.data_path: unknown option of 'multihop_qa'; valid: .*corpus_path"),
+    ],
+)
+def test_registry_names_and_env_options_fail_at_load(data, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(TrainConfig, data)

@@ -6,10 +6,24 @@ docstring; units are in the names.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from trace_mega.configbase import ConfigError, load_config, load_yaml, require, to_dict
+
+def _require_registered(field_name: str, module: str, registry: str, name: str) -> Any:
+    """The entry `name` of `module.registry`, or a ConfigError naming the field and the valid names.
+
+    The registry module is imported here, at load time, so a bad name fails
+    before anything is built (config.py itself stays import-light).
+    """
+    reg = getattr(importlib.import_module(module), registry)
+    if name not in reg:
+        raise ConfigError(f"{field_name}: unknown {reg.kind} {name!r}; valid names: {', '.join(reg.names())}")
+    return reg.get(name)
+
 
 __all__ = [
     "AllocationConfig", "PredictorConfig", "RolloutConfig", "EnvConfig", "ModelConfig",
@@ -43,6 +57,7 @@ class AllocationConfig:
         require(self.rollouts_per_prompt_max >= 2, "rollouts_per_prompt_max", "must be >= 2")
         require(self.group_size >= 2, "group_size", "must be >= 2 (a lone rollout has no contrast)")
         require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
+        _require_registered("name", "trace_mega.allocation", "ALLOCATORS", self.name)
 
 
 @dataclass
@@ -92,6 +107,7 @@ class RolloutConfig:
         require(self.temperature >= 0, "temperature", "must be >= 0")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        _require_registered("engine", "trace_mega.rollout.engines", "ENGINES", self.engine)
 
 
 @dataclass
@@ -102,6 +118,15 @@ class EnvConfig:
     """Environment-specific keyword arguments (data paths, categories, limits)."""
     tool_timeout_s: float = 10.0
     """Wall-clock limit for one tool call."""
+
+    def validate(self) -> None:
+        require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
+        cls = _require_registered("name", "trace_mega.envs", "ENVS", self.name)
+        params = inspect.signature(cls.__init__).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            valid = sorted(k for k in params if k != "self")
+            for key in self.options:
+                require(key in valid, f"options.{key}", f"unknown option of {self.name!r}; valid: {', '.join(valid)}")
 
 
 @dataclass
@@ -215,6 +240,7 @@ class LossConfig:
             v = getattr(self, name)
             require(v is None or v >= 0, name, "must be >= 0")
         require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _require_registered("name", "trace_mega.learner.losses", "LOSSES", self.name)
 
 
 @dataclass
@@ -232,6 +258,9 @@ class AdvantageConfig:
 
     def validate(self) -> None:
         require(0 < self.gigpo_gamma <= 1, "gigpo_gamma", "must be in (0, 1]")
+        _require_registered("name", "trace_mega.learner.advantages", "ADVANTAGES", self.name)
+        require(self.name != "trace_credit", "name",
+                "picks the outcome term (grpo | tree | gigpo); TRACE-C is switched on by credit.enabled")
 
 
 @dataclass

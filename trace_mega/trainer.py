@@ -146,7 +146,8 @@ class Trainer:
         hidden = self.learner.hidden_states(packed) if self.predictor.needs_policy_hidden else None
         out = self.predictor.fit(packed, samples, hidden)
         cal = out.pop("_calibration", None)
-        if cal is not None and self.is_main and cal.num_samples:
+        last = self.step == self.cfg.steps - 1
+        if cal is not None and self.is_main and cal.num_samples and (self.step % 10 == 0 or last):
             plot_reliability(cal, Path(self.cfg.telemetry.out_dir) / "reliability.png",
                              title=f"step {self.step}: predictor on the newest trees")
         return out

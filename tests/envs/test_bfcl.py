@@ -18,7 +18,7 @@ from trace_mega.envs.bfcl import (  # noqa: E402
     ground_truth_calls,
     replay,
 )
-from trace_mega.rollout.engines.base import Completion, Engine  # noqa: E402
+from whole_token_engine import WholeTokenEngine  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=CATEGORIES)
@@ -196,26 +196,6 @@ def test_splits_and_bad_names():
     assert state.data["turn_calls"] == [[]]
 
 
-class _CallsEngine(Engine):
-    """Emits the i-th scripted whole-call token after i observations, then the answer token."""
-
-    def __init__(self, tok, calls, answer):
-        super().__init__()
-        self.tok, self.ids = tok, [tok.convert_tokens_to_ids(t) for t in [*calls, answer]]
-
-    def generate(self, prefixes, sampling):
-        out = []
-        for prefix in prefixes:
-            seen = self.tok.convert_ids_to_tokens(prefix).count("<tool_response>")
-            out.append(Completion(token_ids=[self.ids[min(seen, len(self.ids) - 1)]], logprobs=[-0.1],
-                                  finish_reason="stop"))
-        return out
-
-    def update_weights(self, named_tensors):
-        for _ in named_tensors:
-            pass
-
-
 def test_single_turn_task_through_the_agent_loop():
     """A one-user-turn task (multi_turn_base_50) behind the real parser and agent loop: the
     ground-truth calls score 1, stopping after the first call scores 0."""
@@ -231,7 +211,7 @@ def test_single_turn_task_through_the_agent_loop():
     rewards, observations = {}, {}
     for name, script in (("full", calls), ("partial", calls[:1])):
         tok = build_tiny_tokenizer([], [*calls, "<answer>done</answer>"])
-        loop = AgentLoop(env, _CallsEngine(tok, script, "<answer>done</answer>"), tok,
+        loop = AgentLoop(env, WholeTokenEngine(tok, [*script, "<answer>done</answer>"]), tok,
                          RolloutConfig(max_turns=6, max_new_tokens_per_turn=4, max_total_tokens=8192))
         (tree,) = loop.rollout([task], [1])
         loop.close()

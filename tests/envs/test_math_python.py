@@ -12,7 +12,7 @@ from trace_mega.envs.math_python import (
     math_reward,
 )
 from trace_mega.envs.sandbox import SandboxLimits
-from trace_mega.rollout.engines.base import Completion, Engine
+from whole_token_engine import WholeTokenEngine
 
 
 @pytest.fixture(scope="module")
@@ -119,25 +119,6 @@ def test_bombs_in_some_episodes_leave_the_others_intact(env):
     assert "socket" in observations[9]
 
 
-class _ActionEngine(Engine):
-    """Emits one whole-action token per turn: the tool call, then (after an observation) the answer."""
-
-    def __init__(self, tok, tool_token, answer_token):
-        super().__init__()
-        self.tok, self.ids = tok, [tok.convert_tokens_to_ids(t) for t in (tool_token, answer_token)]
-
-    def generate(self, prefixes, sampling):
-        out = []
-        for prefix in prefixes:
-            seen = self.tok.convert_ids_to_tokens(prefix).count("<tool_response>")
-            out.append(Completion(token_ids=[self.ids[min(seen, 1)]], logprobs=[-0.1], finish_reason="stop"))
-        return out
-
-    def update_weights(self, named_tensors):
-        for _ in named_tensors:
-            pass
-
-
 def test_episode_through_the_agent_loop(tmp_path):
     """The env behind the real ReAct parser and agent loop (a word-level tokenizer whose
     action tokens are whole tool calls / answers; the prompt words are [UNK])."""
@@ -151,7 +132,7 @@ def test_episode_through_the_agent_loop(tmp_path):
     trees = {}
     for answer in ("5050", "5051"):
         tok = build_tiny_tokenizer(["5050"], [call, f"<answer>{answer}</answer>"])
-        loop = AgentLoop(env, _ActionEngine(tok, call, f"<answer>{answer}</answer>"), tok,
+        loop = AgentLoop(env, WholeTokenEngine(tok, [call, f"<answer>{answer}</answer>"]), tok,
                          RolloutConfig(max_turns=4, max_new_tokens_per_turn=4, max_total_tokens=4096))
         (trees[answer],) = loop.rollout(env.tasks("train"), [2])
         loop.close()

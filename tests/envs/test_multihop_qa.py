@@ -19,7 +19,7 @@ from trace_mega.envs.multihop_qa import (
     load_qa,
     normalize_answer,
 )
-from trace_mega.rollout.engines.base import Completion, Engine
+from whole_token_engine import WholeTokenEngine
 
 
 @pytest.fixture(scope="module")
@@ -186,26 +186,6 @@ def test_dense_retriever_pipeline_with_a_tiny_local_encoder(tmp_path):
     assert all(-1.0001 <= s <= 1.0001 for s in scores) and {p for p, _ in hits} <= set(passages)
 
 
-class _TwoHopEngine(Engine):
-    """Emits the i-th whole-action token after i observations."""
-
-    def __init__(self, tok, actions):
-        super().__init__()
-        self.tok, self.ids = tok, [tok.convert_tokens_to_ids(a) for a in actions]
-
-    def generate(self, prefixes, sampling):
-        out = []
-        for prefix in prefixes:
-            seen = self.tok.convert_ids_to_tokens(prefix).count("<tool_response>")
-            out.append(Completion(token_ids=[self.ids[min(seen, len(self.ids) - 1)]], logprobs=[-0.1],
-                                  finish_reason="stop"))
-        return out
-
-    def update_weights(self, named_tensors):
-        for _ in named_tensors:
-            pass
-
-
 def test_two_hop_episode_through_the_agent_loop(env):
     """Search the bridge entity, then the answer's passage, then answer: reward 1."""
     from trace_mega.config import RolloutConfig
@@ -217,7 +197,7 @@ def test_two_hop_episode_through_the_agent_loop(env):
                '<tool_call>{"name": "search", "arguments": {"query": "Tomas Ferreira born", "k": 1}}</tool_call>',
                "<answer>Vallis</answer>"]
     tok = build_tiny_tokenizer([], actions)
-    loop = AgentLoop(env, _TwoHopEngine(tok, actions), tok,
+    loop = AgentLoop(env, WholeTokenEngine(tok, actions), tok,
                      RolloutConfig(max_turns=5, max_new_tokens_per_turn=4, max_total_tokens=8192))
     (tree,) = loop.rollout([task], [1])
     loop.close()

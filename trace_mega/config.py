@@ -68,6 +68,9 @@ class PredictorConfig:
     """Predictor learning rate."""
     updates_per_step: int = 4
     """Optimiser steps on the newest trees per trainer step."""
+    replay_steps: int = 1
+    """Train on the trees of the newest this-many steps (1: the newest only, as in the paper).
+    The window is not checkpointed: a resumed run starts it empty."""
     prefix_sample_fraction: Optional[float] = None
     """Fraction of training samples that are prefixes (rest roots); None keeps the natural mix. Logged either way."""
     calibration_bins: int = 10
@@ -78,6 +81,7 @@ class PredictorConfig:
     def validate(self) -> None:
         require(self.lr > 0, "lr", "must be > 0")
         require(self.calibration_bins >= 2, "calibration_bins", "must be >= 2")
+        require(self.replay_steps >= 1, "replay_steps", "must be >= 1")
         f = self.prefix_sample_fraction
         require(f is None or 0.0 <= f <= 1.0, "prefix_sample_fraction", "must be in [0, 1]")
 

@@ -14,6 +14,7 @@ allocation decisions, and broadcasts the trees.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -78,6 +79,7 @@ class Trainer:
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
         self.sink = MetricsSink(cfg.telemetry.out_dir, tensorboard=cfg.telemetry.tensorboard, enabled=self.is_main)
         self.gpu = GpuProbe()
+        self.replay: collections.deque = collections.deque(maxlen=cfg.predictor.replay_steps - 1)
         self.step = 0
         self.use_fallback = False
         self._sync_weights()  # the engine starts from the learner's initial weights
@@ -144,7 +146,9 @@ class Trainer:
     def _fit_predictor(self, packed: PackedTrees) -> dict[str, Any]:
         samples = predictor_samples(packed, self.cfg.predictor.prefix_sample_fraction)
         hidden = self.learner.hidden_states(packed) if self.predictor.needs_policy_hidden else None
-        out = self.predictor.fit(packed, samples, hidden)
+        out = self.predictor.fit(packed, samples, hidden, replay=list(self.replay))
+        if self.replay.maxlen:
+            self.replay.append((packed, samples, hidden))
         cal = out.pop("_calibration", None)
         last = self.step == self.cfg.steps - 1
         if cal is not None and self.is_main and cal.num_samples and (self.step % 10 == 0 or last):

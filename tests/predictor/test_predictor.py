@@ -71,3 +71,27 @@ def test_value_head_reads_policy_hidden_states():
     assert abs(float(pred.predict(packed, s.node[:1], hidden)) - 0.5) > 1e-3  # it moved
     second = pred.fit(packed, s, hidden)
     assert second["predictor/brier"] < first["predictor/brier"]
+
+
+def test_replay_batches_are_trained_on():
+    """Fitting on failures alone pulls every prediction down; with a replayed batch of
+    successes the replayed prompts' predictions stay higher."""
+    def batch(reward, first_token):
+        trees = []
+        for i in range(6):
+            t = RolloutTree(f"p{i}", [first_token, 5])
+            for _ in range(2):
+                t.add_path(t.add_node(0, _turn(3)), [_turn(6)], reward)
+            trees.append(t)
+        packed = pack(trees)
+        return packed, predictor_samples(packed)
+
+    (pa, sa), (pb, sb) = batch(1.0, 1), batch(0.0, 2)
+    preds = {}
+    for replay in (False, True):
+        torch.manual_seed(0)
+        pred = build_predictor(PredictorConfig(backend="small_model", lr=1e-2, updates_per_step=30),
+                               hidden_size=0, vocab_size=8)
+        pred.fit(pb, sb, replay=[(pa, sa, None)] if replay else [])
+        preds[replay] = float(pred.predict(pa, sa.node).mean())
+    assert preds[True] > preds[False] + 0.2

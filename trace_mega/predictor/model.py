@@ -16,7 +16,7 @@ on the soft targets of `targets.predictor_samples`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +55,10 @@ class Predictor(ABC, nn.Module):
         self.train(was_training)
         return out
 
-    def fit(self, packed: PackedTrees, samples: PredictorSamples, hidden: Optional[torch.Tensor] = None) -> dict:
-        """`cfg.updates_per_step` BCE steps on `samples`; returns metrics.
+    def fit(self, packed: PackedTrees, samples: PredictorSamples, hidden: Optional[torch.Tensor] = None,
+            replay: Sequence[tuple[PackedTrees, PredictorSamples, Optional[torch.Tensor]]] = ()) -> dict:
+        """`cfg.updates_per_step` BCE steps on `samples` (plus the older `replay` batches,
+        each weighted like the newest); returns metrics.
 
         The calibration is measured on the predictions made *before* the update,
         i.e. on trees the predictor has not trained on yet (held-out by time),
@@ -73,9 +75,10 @@ class Predictor(ABC, nn.Module):
         skill = cal.skill if prior == prior else float("nan")
         self.prior_mean.fill_(float(samples.target.mean()))
         loss = torch.zeros(())
+        batches = [(packed, samples, hidden), *((p, s, h) for p, s, h in replay if s.node.numel())]
         for _ in range(self.cfg.updates_per_step):
-            logits = self.node_logits(packed, samples.node, hidden).float()
-            loss = F.binary_cross_entropy_with_logits(logits, samples.target, weight=samples.weight)
+            loss = sum(F.binary_cross_entropy_with_logits(self.node_logits(p, s.node, h).float(), s.target,
+                                                          weight=s.weight) for p, s, h in batches) / len(batches)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()

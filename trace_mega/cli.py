@@ -7,6 +7,8 @@
   TP/PP/EP/DP: `torchrun --nproc-per-node 2 -m trace_mega.cli train ...`).
 * `eval --config FILE` — success rate of the current (or a checkpointed) policy.
 * `bench NAME [args]` — runs `benchmarks/bench_NAME.py` of this checkout.
+* `plan --config FILE` — per-GPU memory of the config on its cluster; exits 1
+  naming the field when it cannot fit.
 """
 from __future__ import annotations
 
@@ -53,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--config", required=True)
     p_eval.add_argument("--split", default="test")
     p_eval.add_argument("overrides", nargs="*")
+    p_plan = sub.add_parser("plan", help="per-GPU memory of a config on its cluster (fails naming the field)")
+    p_plan.add_argument("--config", required=True)
+    p_plan.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
+    p_plan.add_argument("--gpus-per-node", type=int, default=None, help="override cluster.gpus_per_node")
+    p_plan.add_argument("--gpu-memory-gib", type=float, default=None, help="override cluster.gpu_memory_gib")
+    p_plan.add_argument("overrides", nargs="*")
     sub.add_parser("bench", help="run benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
     args = parser.parse_args(argv)
 
@@ -66,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
             run_demo(out_dir=args.out, config_path=args.config, overrides=args.overrides)
             return 0
         cfg = load_yaml(TrainConfig, args.config, args.overrides)
+        if args.cmd == "plan":
+            from trace_mega.plan import format_plan, plan_memory, replace_cluster
+
+            cfg = replace_cluster(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                  gpu_memory_gib=args.gpu_memory_gib)
+            plan = plan_memory(cfg)
+            print(format_plan(cfg, plan))
+            return 1 if plan.errors else 0
     except ConfigError as exc:
         print(f"invalid config: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ def _require_registered(field_name: str, module: str, registry: str, name: str) 
 __all__ = [
     "AllocationConfig", "PredictorConfig", "RolloutConfig", "EnvConfig", "ModelConfig",
     "ParallelConfig", "OptimConfig", "LossConfig", "AdvantageConfig", "CreditConfig",
-    "CheckpointConfig", "TelemetryConfig", "TrainConfig", "ConfigError", "load_config",
+    "CheckpointConfig", "TelemetryConfig", "ClusterConfig", "TrainConfig", "ConfigError", "load_config",
     "load_yaml", "to_dict",
 ]
 
@@ -106,8 +106,12 @@ class RolloutConfig:
     """Reuse the KV cache of shared prefixes when branching."""
     kv_block_size_tokens: Optional[int] = None
     """vLLM KV-cache block size (prefix-cache hits come in whole blocks); None: vLLM's default."""
+    tensor_parallel_size: Optional[int] = None
+    """GPUs of one rollout replica (vLLM tensor parallel, experts spread over them); None: the learner's TP x PP.
+    `trace-mega plan` sizes the engines with it (today the trainer runs one engine on rank 0; README "Scaling out")."""
 
     def validate(self) -> None:
+        require(self.tensor_parallel_size is None or self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         require(self.temperature >= 0, "temperature", "must be >= 0")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
@@ -310,6 +314,25 @@ class TelemetryConfig:
 
 
 @dataclass
+class ClusterConfig:
+    nodes: int = 1
+    """Nodes the run is launched on (`trace-mega plan` checks the config fits them)."""
+    gpus_per_node: int = 8
+    """GPUs per node (one torchrun process each)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU (H100 SXM: 80)."""
+    reserve_gib: float = 3.0
+    """Per-GPU memory the plan keeps free for the CUDA context, NCCL buffers and allocator fragmentation."""
+    engine_working_memory_gib: float = 1.0
+    """Per-GPU memory of a rollout engine beside its weights and KV cache (activations, sampler, CUDA graphs)."""
+
+    def validate(self) -> None:
+        require(self.nodes >= 1, "nodes", "must be >= 1")
+        require(self.gpus_per_node >= 1, "gpus_per_node", "must be >= 1")
+        require(self.gpu_memory_gib > 0, "gpu_memory_gib", "must be > 0")
+
+
+@dataclass
 class TrainConfig:
     steps: int = 10
     """Trainer steps."""
@@ -327,6 +350,7 @@ class TrainConfig:
     credit: CreditConfig = field(default_factory=CreditConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")

@@ -13,23 +13,21 @@
    reference and a plain-Python greedy, printed as ratios, with the
    objectives checked equal.
 
-    python benchmarks/bench_allocation.py [--steps 20] [--quick] [--json PATH] [--png PATH]
+    python benchmarks/bench_allocation.py [--steps 20] [--quick] [--json PATH] [--png PATH]   ('' = skip)
     trace-mega bench allocation [same options]
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness import RESULTS, parser, print_table, timed, timeit, write_json
 
 from trace_mega.allocation import allocate_prefixes, allocate_roots, build_allocator
-from trace_mega.allocation.reference import (prefix_objective, prefixes_dp, prefixes_greedy_python, root_objective,
+from trace_mega.kernels.allocation_ref import (prefix_objective, prefixes_dp, prefixes_greedy_python, root_objective,
                                              roots_dp, roots_greedy_python)
 from trace_mega.config import AllocationConfig
 from trace_mega.sim import SimConfig, TreeSimulator, build_predictor, run_allocator, summarize
@@ -38,7 +36,6 @@ ALLOCATOR_NAMES = ["uniform", "pcl", "treepo", "trace", "trace_global"]
 PREDICTORS = ["oracle", "noisy", "learned"]
 NOISY_DEFAULT = 0.5  # n = 3 pseudo-rollouts
 NOISE_LEVELS = [0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0]
-RESULTS = Path("bench_results")
 
 
 def sim_allocation_config(name: str) -> AllocationConfig:
@@ -77,21 +74,9 @@ def run_noise_curve(steps: int, seed: int, levels: list[float]) -> dict:
     return curve
 
 
-def _clock() -> float:
-    """Process CPU time. Everything here runs on one thread, and on a shared machine
-    CPU time is a fairer measure than wall time, which counts waiting for other jobs."""
-    return time.process_time()
-
-
-def _time(fn, repeats: int) -> float:
-    """Median CPU seconds of `repeats` calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = _clock()
-        fn()
-        times.append(_clock() - t0)
-    return statistics.median(times)
+# Solver speed is process CPU time: everything here runs on one thread, and on a shared
+# machine CPU time is a fairer measure than wall time, which counts waiting for other jobs.
+CLOCK = "process"
 
 
 def run_solver_speed(quick: bool, seed: int) -> dict:
@@ -99,14 +84,10 @@ def run_solver_speed(quick: bool, seed: int) -> dict:
     B, Mmax, M = (512, 16, 4096) if quick else (4096, 16, 32768)
     v = rng.beta(0.3, 0.3, B)
     vt = torch.tensor(v)
-    t_batched = _time(lambda: allocate_roots(vt, M, Mmax), 5)
+    t_batched = timeit(lambda: allocate_roots(vt, M, Mmax), reps=5, clock=CLOCK)
     m = allocate_roots(vt, M, Mmax).numpy()
-    t0 = _clock()
-    _, dp_obj = roots_dp(v, M, Mmax)
-    t_dp = _clock() - t0
-    t0 = _clock()
-    m_py = roots_greedy_python(v, M, Mmax)
-    t_py = _clock() - t0
+    (_, dp_obj), t_dp = timed(lambda: roots_dp(v, M, Mmax), clock=CLOCK)
+    m_py, t_py = timed(lambda: roots_greedy_python(v, M, Mmax), clock=CLOCK)
     roots = {"B": B, "max_rollouts": Mmax, "budget": M, "batched_s": t_batched, "dp_s": t_dp, "python_s": t_py,
              "objective_gap_vs_dp": abs(root_objective(v, m) - dp_obj),
              "python_objective_gap_vs_dp": abs(root_objective(v, m_py) - dp_obj)}
@@ -117,14 +98,10 @@ def run_solver_speed(quick: bool, seed: int) -> dict:
     r = (rng.random(P) < pv).astype(np.int64)
     budget = rng.integers(0, 17, G)  # m_g * N with N = 1, mean 8
     args = [torch.tensor(x) for x in (pv, r, group, budget)]
-    t_pb = _time(lambda: allocate_prefixes(*args), 3)
+    t_pb = timeit(lambda: allocate_prefixes(*args), reps=3, clock=CLOCK)
     k = allocate_prefixes(*args).numpy()
-    t0 = _clock()
-    k_py = prefixes_greedy_python(pv, r, group, budget)
-    t_ppy = _clock() - t0
-    t0 = _clock()
-    _, pdp_obj = prefixes_dp(pv, r, group, budget)
-    t_pdp = _clock() - t0
+    k_py, t_ppy = timed(lambda: prefixes_greedy_python(pv, r, group, budget), clock=CLOCK)
+    (_, pdp_obj), t_pdp = timed(lambda: prefixes_dp(pv, r, group, budget), clock=CLOCK)
     prefixes = {"P": P, "groups": G, "budget_total": int(budget.sum()), "batched_s": t_pb, "dp_s": t_pdp,
                 "python_s": t_ppy, "objective_gap_vs_dp": abs(prefix_objective(pv, r, k) - pdp_obj),
                 "python_objective_gap_vs_dp": abs(prefix_objective(pv, r, k_py) - pdp_obj)}
@@ -156,39 +133,32 @@ def plot_noise_curve(curve: dict, path: Path) -> None:
 
 
 def print_tables(table: dict, solver: dict) -> None:
-    print(f"\nAllocators at equal budget (noisy predictor: noise {NOISY_DEFAULT}); per step means, 95% CI over steps")
-    hdr = f"{'allocator':<13}{'predictor':<9}{'eff. ratio':>11}{'95% CI':>17}{'contrasted':>11}{'active':>8}" \
-          f"{'contr. BP':>10}{'traj':>6}"
-    print(hdr)
-    print("-" * len(hdr))
-    for name, per in table.items():
-        for pk, s in per.items():
-            lo, hi = s["effective_ratio_ci95"]
-            ci = f"[{lo:.3f}, {hi:.3f}]"
-            print(f"{name:<13}{pk:<9}{s['effective_ratio']:>11.3f}{ci:>17}"
-                  f"{s['contrasted_prompts']:>11.1f}{s['active_prompts']:>8.1f}{s['contrasted_branch_groups']:>10.1f}"
-                  f"{s['trajectories']:>6.0f}")
+    rows = [{"allocator": name, "predictor": pk, **s, "ci": "[{:.3f}, {:.3f}]".format(*s["effective_ratio_ci95"])}
+            for name, per in table.items() for pk, s in per.items()]
+    print_table(rows, title=f"\nAllocators at equal budget (noisy predictor: noise {NOISY_DEFAULT}); "
+                            "per step means, 95% CI over steps", cols=[
+        ("allocator", "allocator", "<"), ("predictor", "predictor", "<"), ("effective_ratio", "eff. ratio", ".3f"),
+        ("ci", "95% CI", ""), ("contrasted_prompts", "contrasted", ".1f"), ("active_prompts", "active", ".1f"),
+        ("contrasted_branch_groups", "contr. BP", ".1f"), ("trajectories", "traj", ".0f")])
     base = table["uniform"]["oracle"]["effective_ratio"]
     print(f"\ntrace / uniform effective ratio (oracle): {table['trace']['oracle']['effective_ratio'] / base:.2f}x")
     ro, pr = solver["roots"], solver["prefixes"]
-    print(f"\nSolver speed (CPU seconds, {torch.get_num_threads()} torch thread(s); median of 5 / 3 runs for batched)")
-    print(f"{'problem':<44}{'batched s':>11}{'DP s':>10}{'Python s':>10}{'vs DP':>9}{'vs Python':>11}{'gap vs DP':>11}")
-    label = f"roots B={ro['B']} Mmax={ro['max_rollouts']} budget={ro['budget']}"
-    print(f"{label:<44}{ro['batched_s']:>11.4f}"
-          f"{ro['dp_s']:>10.2f}{ro['python_s']:>10.3f}{solver['roots_speedup_vs_dp']:>8.0f}x"
-          f"{solver['roots_speedup_vs_python']:>10.1f}x{ro['objective_gap_vs_dp']:>11.1e}")
-    label = f"prefixes P={pr['P']} groups={pr['groups']} budget={pr['budget_total']}"
-    print(f"{label:<44}{pr['batched_s']:>11.4f}"
-          f"{pr['dp_s']:>10.2f}{pr['python_s']:>10.3f}{solver['prefixes_speedup_vs_dp']:>8.0f}x"
-          f"{solver['prefixes_speedup_vs_python']:>10.1f}x{pr['objective_gap_vs_dp']:>11.1e}")
+    rows = [{"problem": f"roots B={ro['B']} Mmax={ro['max_rollouts']} budget={ro['budget']}", **ro,
+             "vs_dp": solver["roots_speedup_vs_dp"], "vs_python": solver["roots_speedup_vs_python"]},
+            {"problem": f"prefixes P={pr['P']} groups={pr['groups']} budget={pr['budget_total']}", **pr,
+             "vs_dp": solver["prefixes_speedup_vs_dp"], "vs_python": solver["prefixes_speedup_vs_python"]}]
+    print_table(rows, title=f"\nSolver speed (CPU seconds, {torch.get_num_threads()} torch thread(s); "
+                            "median of 5 / 3 runs for batched)", cols=[
+        ("problem", "problem", "<"), ("batched_s", "batched s", ".4f"), ("dp_s", "DP s", ".2f"),
+        ("python_s", "Python s", ".3f"), ("vs_dp", "vs DP", ".0f"), ("vs_python", "vs Python", ".1f"),
+        ("objective_gap_vs_dp", "gap vs DP", ".1e")])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, RESULTS / "allocation.json")
     ap.add_argument("--steps", type=int, default=20, help="seeded steps per allocator and predictor (>= 20 for the report)")
     ap.add_argument("--quick", action="store_true", help="5 steps, 3 noise levels, smaller solver problems")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(RESULTS / "allocation.json"), help="where to write the results")
     ap.add_argument("--png", default=str(RESULTS / "allocation_noise.png"), help="effective ratio vs noise plot")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -214,11 +184,13 @@ def main(argv: list[str] | None = None) -> dict:
         "solver": solver,
     }
     print_tables(table, solver)
-    for path in (Path(args.json), Path(args.png)):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    plot_noise_curve(curve, Path(args.png))
-    print(f"\nwrote {args.json} and {args.png} in {time.perf_counter() - t0:.0f} s")
+    print()
+    write_json(result, args.json)
+    if args.png:
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+        plot_noise_curve(curve, Path(args.png))
+        print(f"wrote {args.png}")
+    print(f"done in {time.perf_counter() - t0:.0f} s")
     return result
 
 

@@ -3,7 +3,7 @@
 Kernel level (measured), forward and forward+backward, median of --reps runs:
   * per_prefix_loop -- one value-head call per prefix (P tiny calls): the kernel-level
     shadow of "one predictor forward per prefix";
-  * unfused         -- kernels.boundary_scoring.boundary_scores_reference: gather the
+  * unfused         -- kernels.boundary_scoring_ref.boundary_scores_reference: gather the
     (P, H) rows, matmul, add, sigmoid (separate ops, a (P, H) copy);
   * fused           -- boundary_scores (backend auto: Triton on GPU, the torch path on
     CPU -- where it IS the unfused ops, so on CPU the comparison is loop vs batched).
@@ -11,38 +11,16 @@ Model level (analytical): tokens the backbone encodes when each of the K prefixe
 every rollout is re-encoded separately vs the packed stream encoded once.
 
     python benchmarks/bench_boundary_scoring.py [--T 8192 --H 512 --P 1024] [--json out.json]
+    trace-mega bench boundary_scoring [same options]
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
-import time
 
 import torch
+from harness import RESULTS, parser, print_table, timeit, write_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200_HBM_GBS = 4800.0
-
-
-def _timer(device, reps, fn):
-    """Median seconds of fn() over reps runs (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def model_level_tokens(rollouts, turns, prompt_len, turn_len):
@@ -54,10 +32,11 @@ def model_level_tokens(rollouts, turns, prompt_len, turn_len):
             "tokens_ratio": per_prefix / packed}
 
 
-def main():
-    from trace_mega.kernels.boundary_scoring import boundary_scores, boundary_scores_reference
+def main(argv: list[str] | None = None) -> dict:
+    from trace_mega.kernels.boundary_scoring import boundary_scores
+    from trace_mega.kernels.boundary_scoring_ref import boundary_scores_reference
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = parser(__doc__, None)
     p.add_argument("--device", choices=["cpu", "cuda"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--T", type=int, default=None)
@@ -67,8 +46,7 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     dev = args.device
     gpu = dev == "cuda"
     torch.set_num_threads(args.threads)
@@ -113,7 +91,7 @@ def main():
 
             err = float((step().detach() - ref).abs().max())
             reps = max(1, args.reps // 2) if name == "per_prefix_loop" else args.reps
-            sec = _timer(dev, reps, step)
+            sec = timeit(step, reps=reps, device=dev)
             # compulsory traffic: the P gathered rows (+ the dense dhidden in the backward)
             nbytes = P * H * eb + H * eb + 8 * P + (T * H * eb + P * H * eb) * (mode == "fwd_bwd")
             rows.append({"method": name, "mode": mode, "T": T, "H": H, "P": P, "dtype": dtype,
@@ -121,14 +99,15 @@ def main():
                          "max_abs_err_vs_ref": err})
             print(f"  {name:16s} {mode:8s} {sec * 1e3:10.3f} ms  {nbytes / sec / 1e9:8.2f} GB/s"
                   f"  err {err:.1e}", flush=True)
-    print(f"\n{'method':16s} {'mode':8s} {'time':>12s} {'GB/s':>9s} {'vs loop':>8s}")
     by = {(r["method"], r["mode"]): r for r in rows}
     for r in rows:
-        sp = by[("per_prefix_loop", r["mode"])]["seconds"] / r["seconds"]
-        r["speedup_vs_loop"] = sp
+        r["speedup_vs_loop"] = by[("per_prefix_loop", r["mode"])]["seconds"] / r["seconds"]
         r["speedup_vs_unfused"] = by[("unfused", r["mode"])]["seconds"] / r["seconds"]
-        print(f"{r['method']:16s} {r['mode']:8s} {r['seconds'] * 1e3:10.3f}ms "
-              f"{r['eff_bandwidth_gbs']:9.2f} {sp:7.1f}x")
+    print()
+    print_table([r | {"ms": r["seconds"] * 1e3} for r in rows], cols=[
+        ("method", "method", "<"), ("mode", "mode", "<"), ("ms", "time ms", ".3f"),
+        ("eff_bandwidth_gbs", "GB/s", ".2f"), ("speedup_vs_loop", "vs loop", ".1f"),
+        ("speedup_vs_unfused", "vs unfused", ".2f")])
     model = model_level_tokens(rollouts=64, turns=8, prompt_len=512, turn_len=256)
     print(f"\nmodel level: re-encoding each prefix = {model['per_prefix_tokens']} backbone "
           f"tokens vs {model['packed_tokens']} packed once ({model['tokens_ratio']:.1f}x), "
@@ -143,11 +122,8 @@ def main():
     out = {"op": "boundary_scoring", "device": dev, "config": vars(args) | {"T": T, "H": H, "P": P},
            "rows": rows, "model_level": model, "summary": summary,
            "fused_backend": "triton" if gpu else "torch (same ops as unfused on CPU)"}
-    path = args.json or os.path.join(ROOT, "bench_results", dev, "bench_boundary_scoring.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    write_json(out, RESULTS / dev / "bench_boundary_scoring.json" if args.json is None else args.json)
+    return out
 
 
 if __name__ == "__main__":

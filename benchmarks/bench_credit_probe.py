@@ -23,18 +23,12 @@ by default.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import time
-from pathlib import Path
-
 import torch
+from harness import RESULTS, parser, print_table, timeit, write_json
 
 from trace_mega.learner.probe import answer_token_ids, build_probe_batch, hf_packed_forward, reference_probe
 from trace_mega.rollout.tree import Node, RolloutTree
 
-ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_LEN = 4
 
 
@@ -75,15 +69,6 @@ def separate_probe(model, tree: RolloutTree, tokenize) -> tuple[torch.Tensor, in
     return torch.stack(out), tokens
 
 
-def _best_time(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def tiny_reference(vocab: int, hidden: int, layers: int, max_pos: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -106,8 +91,9 @@ def run(T: int, answer_len: int, ks: list[int], repeats: int, vocab: int, hidden
         ell_packed = reference_probe(fwd, [tree], tokenize, "T").ell[0]
         ell_packed = ell_packed[~torch.isnan(ell_packed)]
         ell_sep, sep_tokens = separate_probe(model, tree, tokenize)
-        t_packed = _best_time(lambda: reference_probe(fwd, [tree], tokenize, "T"), repeats)
-        t_sep = _best_time(lambda: separate_probe(model, tree, tokenize), repeats)
+        # best of `repeats`; the two ℓ̄ computations above were the warm-up
+        t_packed = timeit(lambda: reference_probe(fwd, [tree], tokenize, "T"), reps=repeats, warmup=0, reduce="min")
+        t_sep = timeit(lambda: separate_probe(model, tree, tokenize), reps=repeats, warmup=0, reduce="min")
         rows.append({
             "K": K, "probes": K + 1, "T": T, "answer_len": answer_len,
             "packed_tokens": packed_tokens, "separate_tokens": sep_tokens,
@@ -120,19 +106,8 @@ def run(T: int, answer_len: int, ks: list[int], repeats: int, vocab: int, hidden
         "layers": layers}, "template_len": TEMPLATE_LEN, "repeats": repeats, "rows": rows}
 
 
-def print_table(res: dict) -> None:
-    head = f"{'K':>3} {'probes':>6} {'packed tok':>10} {'separate tok':>12} {'tok ratio':>9} " \
-           f"{'packed s':>9} {'separate s':>10} {'speedup':>8} {'max|dl|':>9}"
-    print(head)
-    print("-" * len(head))
-    for r in res["rows"]:
-        print(f"{r['K']:>3} {r['probes']:>6} {r['packed_tokens']:>10} {r['separate_tokens']:>12} "
-              f"{r['token_ratio']:>9.2f} {r['packed_s']:>9.4f} {r['separate_s']:>10.4f} {r['speedup']:>8.2f} "
-              f"{r['max_abs_diff_ell']:>9.1e}")
-
-
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, RESULTS / "cpu" / "bench_credit_probe.json")
     ap.add_argument("--T", type=int, default=1024, help="trajectory tokens")
     ap.add_argument("--answer-len", type=int, default=8, help="|y*| gold-answer tokens")
     ap.add_argument("--ks", default="2,4,8,16", help="tool boundaries K (comma-separated)")
@@ -140,17 +115,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--json", default=str(ROOT / "bench_results" / "cpu" / "bench_credit_probe.json"),
-                    help="write results here ('' = do not)")
     args = ap.parse_args(argv)
     res = run(args.T, args.answer_len, [int(k) for k in args.ks.split(",")], args.repeats, args.vocab,
               args.hidden, args.layers)
-    print_table(res)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-        print(f"wrote {args.json}")
+    print_table(res["rows"], [
+        ("K", "K", "d"), ("probes", "probes", "d"), ("packed_tokens", "packed tok", "d"),
+        ("separate_tokens", "separate tok", "d"), ("token_ratio", "tok ratio", ".2f"), ("packed_s", "packed s", ".4f"),
+        ("separate_s", "separate s", ".4f"), ("speedup", "speedup", ".2f"), ("max_abs_diff_ell", "max|dl|", ".1e")])
+    write_json(res, args.json)
     return res
 
 

@@ -1,6 +1,6 @@
 """Prefill work and time with vs without prefix KV reuse on a tree-shaped rollout workload.
 
-Workload (SPEC §3.4 steps 4-8, shapes scaled to a CPU): P prompts; per prompt
+Workload (docs/design.md §3.4 steps 4-8, shapes scaled to a CPU): P prompts; per prompt
 M bare multi-turn rollouts (each turn: the engine generates, then a fixed-length
 "observation" is appended and the next turn continues the whole history); then
 K continuations branched at a turn boundary of every bare rollout, each
@@ -17,16 +17,12 @@ importable (e.g. in .venv-vllm; set VLLM_CPU_KVCACHE_SPACE=1 on CPU).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
-import sys
 import tempfile
-import time
-from pathlib import Path
 
 import torch
+from harness import RESULTS, command_line, parser, print_table, timed, write_json
 
 from trace_mega.rollout.engines import ENGINES, EngineStats, SamplingParams
 
@@ -65,14 +61,17 @@ def run_workload(engine, args) -> dict:
     engine.wake_up()
     engine.stats = EngineStats()
     bare_start = [p for p in prompts for _ in range(args.m)]
-    t0 = time.perf_counter()
-    # Bare rollouts, recording the history at the branch boundary.
-    node_hist, first = _run_turns(engine, bare_start, args.branch_turn, args, seed=1, rng=random.Random(1))
-    _, rest = _run_turns(engine, node_hist, args.turns - args.branch_turn, args, seed=2, rng=random.Random(2))
-    branches = [h for h in node_hist for _ in range(args.k)]
-    _, conts = _run_turns(engine, branches, args.turns - args.branch_turn, args, seed=3, rng=random.Random(3))
-    seconds = time.perf_counter() - t0
-    samples = [c.token_ids for turn in first + rest + conts for c in turn]
+
+    def workload():
+        # Bare rollouts, recording the history at the branch boundary.
+        node_hist, first = _run_turns(engine, bare_start, args.branch_turn, args, seed=1, rng=random.Random(1))
+        _, rest = _run_turns(engine, node_hist, args.turns - args.branch_turn, args, seed=2, rng=random.Random(2))
+        branches = [h for h in node_hist for _ in range(args.k)]
+        _, conts = _run_turns(engine, branches, args.turns - args.branch_turn, args, seed=3, rng=random.Random(3))
+        return first + rest + conts
+
+    turns, seconds = timed(workload)
+    samples = [c.token_ids for turn in turns for c in turn]
     s = engine.stats
     return {
         "prompt_tokens": s.prefill_tokens + s.cached_prefill_tokens,
@@ -96,17 +95,8 @@ def _engines(names: list[str], args, model, tmp: str):
                 )
 
 
-def _print_table(rows: list[dict]) -> None:
-    cols = ["engine", "reuse", "prompt_tokens", "prefill_tokens", "cached_prefill_tokens", "generated_tokens", "seconds"]
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths)))
-
-
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default="bench_results/bench_prefix_reuse.json", help="write results here ('' = do not)")
+    ap = parser(__doc__, RESULTS / "bench_prefix_reuse.json")
     ap.add_argument("--quick", action="store_true", help="a smaller workload (tests, smoke runs)")
     ap.add_argument("--engines", default=None, help="comma list; default: torch, plus vllm when importable")
     ap.add_argument("--prompts", type=int, default=4)
@@ -153,22 +143,19 @@ def main(argv=None) -> dict:
         with_r["speedup"] = round(without["seconds"] / max(with_r["seconds"], 1e-9), 3)
         with_r["samples_identical"] = samples[(name, True)] == samples[(name, False)]
 
-    _print_table(rows)
+    print_table(rows, [(c, c, "") for c in ("engine", "reuse", "prompt_tokens", "prefill_tokens", "cached_prefill_tokens",
+                                            "generated_tokens", "seconds")])
     for r in rows:
         if r["reuse"]:
             print(f"{r['engine']}: prefill avoided {100 * r['prefill_avoided_frac']:.1f}%, "
                   f"speedup {r['speedup']}x, samples identical with/without reuse: {r['samples_identical']}")
     result = {
-        "command": "python benchmarks/bench_prefix_reuse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line(__file__, argv),
         "workload": {k: getattr(args, k) for k in ("prompts", "m", "k", "turns", "branch_turn", "prompt", "gen", "obs", "layers", "hidden", "vocab")},
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
     }
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        print(f"wrote {path}")
+    write_json(result, args.json)
     return result
 
 

@@ -5,7 +5,7 @@ forward+backward, each measured in a FRESH subprocess:
     peak extra memory = VmHWM (process RSS high-water mark, reset through
     /proc/self/clear_refs right before the op) - VmRSS just before the op,
 so imports and the inputs themselves are excluded and every method starts clean.
-Methods: `reference` (kernels.token_logprobs.token_logprobs_reference: the matmul's
+Methods: `reference` (kernels.token_logprobs_ref.token_logprobs_reference: the matmul's
 (T, V) logits + the (T, V) log-softmax, and their gradients in the backward) and
 `fused_torch` (the chunked PyTorch path; the Triton interpreter is far too slow at
 this size). An analytical table of the largest live intermediates is printed for the
@@ -19,17 +19,19 @@ backward), `fused_triton_dz` (dz buffer + GEMM backward) and `fused_torch`, plus
 max |difference| of the fused log-probs from the reference.
 
     python benchmarks/bench_token_logprobs.py [--T 4096 --V 151936 --H 128] [--json out.json]
+    trace-mega bench token_logprobs [same options]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import RESULTS, parser, print_table, timed, timeit, write_json
+
+from trace_mega.kernels._triton_env import env_without_interpreter
+
 H200_PEAK = {"bf16_tflops": 989.0, "tf32_tflops": 494.0, "hbm_tbs": 4.8}  # dense, datasheet
 
 
@@ -75,7 +77,8 @@ def _status_kb(field):
 def _child(method, mode, T, V, H, dtype, chunk, threads):
     import torch
 
-    from trace_mega.kernels.token_logprobs import token_logprobs, token_logprobs_reference
+    from trace_mega.kernels.token_logprobs import token_logprobs
+    from trace_mega.kernels.token_logprobs_ref import token_logprobs_reference
 
     torch.set_num_threads(threads)
     dt = getattr(torch, dtype)
@@ -93,14 +96,16 @@ def _child(method, mode, T, V, H, dtype, chunk, threads):
     rss0 = _status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    t0 = time.perf_counter()
-    if mode == "fwd":
-        with torch.no_grad():
-            out = fn()
-    else:
+
+    def run():
+        if mode == "fwd":
+            with torch.no_grad():
+                return fn()
         out = fn()
         out.sum().backward()
-    dt_s = time.perf_counter() - t0
+        return out
+
+    out, dt_s = timed(run)  # one call: the fresh process's peak memory is the measurement
     peak = _status_kb("VmHWM")
     print(json.dumps({"peak_extra_bytes": (peak - rss0) * 1024, "seconds": dt_s,
                       "checksum": float(out.detach().double().sum())}))
@@ -113,8 +118,7 @@ def run_cpu(args):
             cmd = [sys.executable, os.path.abspath(__file__), "--_child", method, mode,
                    str(args.T), str(args.V), str(args.H), args.dtype, str(args.chunk),
                    str(args.threads)]
-            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-            env.pop("TRITON_INTERPRET", None)
+            env = env_without_interpreter() | {"OMP_NUM_THREADS": str(args.threads)}
             res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if res.returncode != 0:
                 raise RuntimeError(f"{method}/{mode} failed:\n{res.stderr[-3000:]}")
@@ -137,7 +141,8 @@ def run_cpu(args):
 def run_gpu(args):
     import torch
 
-    from trace_mega.kernels.token_logprobs import token_logprobs, token_logprobs_reference
+    from trace_mega.kernels.token_logprobs import token_logprobs
+    from trace_mega.kernels.token_logprobs_ref import token_logprobs_reference
 
     dt = getattr(torch, args.dtype)
     eb = torch.tensor([], dtype=dt).element_size()
@@ -177,17 +182,8 @@ def run_gpu(args):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(args.reps):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                o = step()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e) / 1e3)
-                del o
+            sec = timeit(step, reps=args.reps, warmup=0, device="cuda")  # warmed up above
             peak = torch.cuda.max_memory_allocated() - base
-            sec = sorted(times)[len(times) // 2]
             flops = (2 if mode == "fwd" else 6) * T * V * H
             nbytes = (T + V) * H * eb + T * 4 + (T + V) * H * eb * (mode == "fwd_bwd")
             peak_tf = H200_PEAK["bf16_tflops" if eb == 2 else "tf32_tflops"]
@@ -204,23 +200,22 @@ def run_gpu(args):
 
 
 def _table(rows, gpu):
-    print(f"\n{'method':12s} {'mode':8s} {'time':>10s} {'peak extra':>12s} {'analytic':>12s}"
-          + (f" {'TFLOP/s':>8s} {'GB/s':>8s}" if gpu else ""))
-    for r in rows:
-        line = (f"{r['method']:12s} {r['mode']:8s} {r['seconds'] * 1e3:8.1f}ms "
-                f"{r['peak_extra_bytes'] / 2**20:9.1f}MiB {r['analytic_bytes'] / 2**20:9.1f}MiB")
-        if gpu:
-            line += f" {r['tflops']:8.1f} {r['eff_bandwidth_gbs']:8.1f}"
-        print(line)
+    print()
+    print_table([r | {"ms": r["seconds"] * 1e3, "peak_mib": r["peak_extra_bytes"] / 2**20,
+                      "analytic_mib": r["analytic_bytes"] / 2**20} for r in rows], [
+        ("method", "method", "<"), ("mode", "mode", "<"), ("ms", "time ms", ".1f"),
+        ("peak_mib", "peak extra MiB", ".1f"), ("analytic_mib", "analytic MiB", ".1f"),
+        *([("tflops", "TFLOP/s", ".1f"), ("eff_bandwidth_gbs", "GB/s", ".1f")] if gpu else [])])
 
 
-def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "--_child":
-        a = sys.argv[2:]
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_child"]:
+        a = argv[1:]
         return _child(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), a[5], int(a[6]), int(a[7]))
     import torch
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = parser(__doc__, None)
     p.add_argument("--device", choices=["cpu", "cuda"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--T", type=int, default=None)
@@ -231,8 +226,7 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="CPU threads per child")
     p.add_argument("--reps", type=int, default=3, help="GPU timing repetitions")
     p.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
-    p.add_argument("--json", default=None, help="write results here (default bench_results/<device>/)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     gpu = args.device == "cuda"
     if args.quick:
         args.T, args.V, args.H = args.T or 512, 32000 if args.V == 151936 else args.V, args.H or 64
@@ -271,11 +265,8 @@ def main():
                                 "VmHWM - VmRSS in a fresh subprocess per method (clear_refs reset)"),
            "config": vars(args), "rows": rows, "summary": summary,
            "analytic_full_scale_bytes": full, "target_4x_met": target_ok}
-    path = args.json or os.path.join(ROOT, "bench_results", args.device, "bench_token_logprobs.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    write_json(out, RESULTS / args.device / "bench_token_logprobs.json" if args.json is None else args.json)
+    return out
 
 
 if __name__ == "__main__":

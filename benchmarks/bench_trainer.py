@@ -9,10 +9,10 @@ the engine's prefix reuse switched off (the no-reuse baseline for tree
 rollouts).
 
     python benchmarks/bench_trainer.py [--steps 6] [--json PATH]
+    trace-mega bench trainer [same options]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,7 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import RESULTS, ROOT, parser, print_table, write_json
+
 VARIANTS = {
     "uniform": ["allocation.name=uniform"],
     "treepo": ["allocation.name=treepo"],
@@ -43,9 +44,8 @@ def _run(name: str, overrides: list[str], steps: int, out: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, RESULTS / "bench_trainer.json")
     ap.add_argument("--steps", type=int, default=6, help="steps per variant (the first is dropped as warm-up)")
-    ap.add_argument("--json", default="bench_results/bench_trainer.json")
     args = ap.parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,13 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
     base = results["uniform"]["step_s"]
     cols = ["step_s", "rollout_s", "expand_s", "predictor_s", "credit_s", "train_s", "generated_tok_per_s",
             "prefill_tokens_saved", "trajectories", "effective_ratio"]
-    print(f"{'variant':<24}" + "".join(f"{c:>21}" for c in cols) + f"{'step vs uniform':>17}")
-    for name, r in results.items():
-        print(f"{name:<24}" + "".join(f"{r[c]:>21.3f}" for c in cols) + f"{r['step_s'] / base:>16.2f}x")
+    print_table([{"variant": name, **r, "vs_uniform": r["step_s"] / base} for name, r in results.items()],
+                [("variant", "variant", "<"), *((c, c, ".3f") for c in cols), ("vs_uniform", "step vs uniform", ".2f")])
     out = {"steps": args.steps, "variants": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.json}")
+    write_json(out, args.json)
     return out
 
 

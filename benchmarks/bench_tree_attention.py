@@ -32,25 +32,19 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
-import sys
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
+from harness import RESULTS, command_line, parser, print_table, timed, timeit, write_json
 
-if not torch.cuda.is_available():
-    # the kernel module must see the interpreter switch before its @triton.jit decorators run
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from trace_mega.kernels._triton_env import use_interpreter_without_cuda
 
-from trace_mega.kernels.tree_attention import (  # noqa: E402
-    _default_blocks,
-    tile_skip_stats,
-    tree_attention,
+# the kernel module must see the interpreter switch before its @triton.jit decorators run
+use_interpreter_without_cuda()
+
+from trace_mega.kernels.tree_attention import _default_blocks, tile_skip_stats, tree_attention  # noqa: E402
+from trace_mega.kernels.tree_attention_ref import (  # noqa: E402
     tree_attention_flex,
     tree_attention_reference,
     tree_flex_block_mask,
@@ -155,10 +149,11 @@ def spot_check(seed: int = 0, spec: TreeSpec = SPOT) -> dict:
     k = torch.randn(1, T, 2, 32, generator=g, requires_grad=True)
     v = torch.randn(1, T, 2, 32, generator=g, requires_grad=True)
     do = torch.randn(1, T, 4, 32, generator=g)
-    t0 = time.perf_counter()
-    o = tree_attention(q, k, v, tn, te)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    kernel_s = time.perf_counter() - t0
+    def fwd_bwd():
+        o = tree_attention(q, k, v, tn, te)
+        return o, torch.autograd.grad(o, (q, k, v), do)
+
+    (o, grads), kernel_s = timed(fwd_bwd)
     ref = tree_attention_reference(q, k, v, tn, te)
     ref_grads = torch.autograd.grad(ref, (q, k, v), do)
     with torch.no_grad():  # flex has no CPU backward: feed it detached inputs
@@ -169,25 +164,6 @@ def spot_check(seed: int = 0, spec: TreeSpec = SPOT) -> dict:
     return {"tokens": T, "heads": "4q/2kv", "head_dim": 32, "dtype": "fp32",
             "interpreted": not torch.cuda.is_available(), "fwd_bwd_seconds": kernel_s,
             "max_abs_err": errs, "ok": max(errs.values()) < 1e-4}
-
-
-def _time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Mean milliseconds per call (CUDA events; wall clock on CPU, used only for dry runs)."""
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def gpu_timings(row: dict, packed, dtype=torch.bfloat16, device: str = "cuda") -> list[dict]:
@@ -229,7 +205,7 @@ def gpu_timings(row: dict, packed, dtype=torch.bfloat16, device: str = "cuda") -
                          ("fwd_bwd", lambda: torch.autograd.grad(fn(*leaves), leaves, grad))):
             try:
                 with torch.set_grad_enabled(key == "fwd_bwd"):
-                    ms = _time_ms(run)
+                    ms = 1e3 * timeit(run, reps=10, warmup=3, device=dev, reduce="mean")
                 rec[f"{key}_ms"] = ms
                 # backward = 5 GEMMs (QK^T recompute, dV, dP, dQ, dK) vs the forward's 2: f+b = 3.5x fwd
                 rec[f"{key}_tflops"] = gflop * (1.0 if key == "fwd" else 3.5) / ms
@@ -242,19 +218,8 @@ def gpu_timings(row: dict, packed, dtype=torch.bfloat16, device: str = "cuda") -
     return out
 
 
-def _print_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
-    """Print rows as an aligned table; cols = (key, header, format spec); '<' specs align left."""
-    cells = [[format(r[key], fmt.lstrip("<")) if key in r else "-" for key, _, fmt in cols] for r in rows]
-    widths = [max([len(h)] + [len(c[n]) for c in cells]) for n, (_, h, _) in enumerate(cols)]
-    just = [(str.ljust if fmt.startswith("<") else str.rjust) for _, _, fmt in cols]
-    print("  ".join(j(h, w) for (_, h, _), w, j in zip(cols, widths, just)))
-    for c in cells:
-        print("  ".join(j(x, w) for x, w, j in zip(c, widths, just)))
-
-
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", default="bench_results/bench_tree_attention.json")
+    ap = parser(__doc__, RESULTS / "bench_tree_attention.json")
     ap.add_argument("--quick", action="store_true", help="first scenario only, no GPU timing of big ones")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -265,9 +230,8 @@ def main(argv=None) -> dict:
         row, packed = work_stats(spec, args.seed)
         rows.append(row)
         packs.append(packed)
-    print(f"Work avoided by packing (FLOPs for Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}; "
-          f"tiles {rows[0]['tile_block'][0]}x{rows[0]['tile_block'][1]}):")
-    _print_table(rows, [
+    print_table(rows, title=f"Work avoided by packing (FLOPs for Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}; "
+                f"tiles {rows[0]['tile_block'][0]}x{rows[0]['tile_block'][1]}):", cols=[
         ("scenario", "scenario", "<"), ("paths", "paths", "d"), ("packed_tokens", "packed T", "d"),
         ("flat_tokens", "flat tokens", "d"), ("token_ratio", "tok ratio", ".2f"),
         ("fwd_gflop_packed", "GF packed", ".1f"), ("fwd_gflop_flat_causal", "GF flat", ".1f"),
@@ -286,8 +250,7 @@ def main(argv=None) -> dict:
     if torch.cuda.is_available():
         for row, packed in zip(rows, packs):
             timings += gpu_timings(row, packed)
-        print(f"\nGPU ({torch.cuda.get_device_name()}, bf16):")
-        _print_table(timings, [
+        print_table(timings, title=f"\nGPU ({torch.cuda.get_device_name()}, bf16):", cols=[
             ("scenario", "scenario", "<"), ("method", "method", "<"), ("fwd_ms", "fwd ms", ".3f"),
             ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_tflops", "fwd TF/s", ".1f"),
             ("fwd_bwd_tflops", "f+b TF/s", ".1f"), ("error", "error", "<"),
@@ -296,17 +259,13 @@ def main(argv=None) -> dict:
         "benchmark": "tree_attention",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        "command": "python benchmarks/bench_tree_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line(__file__, argv),
         "model": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM},
         "work": rows,
         "spot_check": spot,
         "gpu_timings": timings,
     }
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        print(f"\nwrote {path}")
+    write_json(result, args.json)
     return result
 
 

@@ -17,7 +17,9 @@ Two primitives carry all the per-element work of `trace_mega.allocation`:
   touch the full table. W is a shape, so it is read back to the host once
   unless the caller passes `max_group_size` (then there is no host sync).
 
-Both exist as pure tensor programs (the reference, and the path used on CPU).
+Both exist as pure tensor programs (the path used on CPU, and the ground truth of
+the Triton kernel; the exact DP references of the whole problems are in
+`allocation_ref.py`).
 `segmented_threshold` also has a Triton kernel (`backend="triton"`): one
 program per group keeps that group's threshold in registers and runs the
 whole bisection loop in a single launch. The tensor program instead needs

@@ -1,6 +1,6 @@
 """Batched predictor scoring at turn boundaries of a packed batch.
 
-TRACE-A (SPEC section 3.1, step 6 of section 3.4) scores every prefix of every bare
+TRACE-A (docs/design.md §3.1, step 6 of §3.4) scores every prefix of every bare
 rollout of a step with the predictor's value head. In the packed layout (docs/PACKING.md)
 the predictor's backbone runs ONCE over the stream; the hidden state at the last token of
 each prefix (a turn boundary) summarises that prefix. This op gathers those rows and
@@ -15,29 +15,27 @@ accumulate), dw = sum_p dlogit[p] hidden[positions[p]], db = sum_p dlogit[p].
 
 Backends (``backend="auto"``): the Triton kernels on CUDA, and on CPU under
 ``TRITON_INTERPRET=1`` for P <= ``INTERPRET_MAX_P``; otherwise a PyTorch path
-(gather + mv + sigmoid under autograd, fp32), which is also the natural CPU baseline.
-The gathered (P, H) rows are never materialised by the Triton path (forward or backward).
+(gather + mv + sigmoid under autograd, fp32): the reference in ``boundary_scoring_ref.py``,
+which is also the natural CPU baseline. The gathered (P, H) rows are never materialised by
+the Triton path (forward or backward).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
+from trace_mega.kernels._triton_env import HAS_TRITON, aot_compile, interpreting
+from trace_mega.kernels.boundary_scoring_ref import boundary_scores_reference
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    _HAS_TRITON = False
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = interpreting()  # fixed at import, as for the @triton.jit decorators below
 
 #: Under the interpreter, more positions than this go to the torch path.
 INTERPRET_MAX_P = 8192
 
-__all__ = ["boundary_scores", "boundary_scores_reference", "INTERPRET_MAX_P"]
+__all__ = ["boundary_scores", "INTERPRET_MAX_P"]
 
 
 def _flat_head(hidden, weight, bias):
@@ -55,15 +53,7 @@ def _flat_head(hidden, weight, bias):
     return w, b
 
 
-def boundary_scores_reference(hidden, positions, weight, bias, *, return_logits=False):
-    """`sigmoid(hidden[positions] @ w + b)` with plain PyTorch ops (fp32), autograd-able."""
-    w, b = _flat_head(hidden, weight, bias)
-    logits = hidden[positions].float() @ w.float() + b.float()  # (P,)
-    scores = torch.sigmoid(logits)
-    return (scores, logits) if return_logits else scores
-
-
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _fwd_kernel(
@@ -130,31 +120,14 @@ def aot_compile_check(arch=90, dtypes=("bf16", "fp32")):
 
     The module must be imported without TRITON_INTERPRET. Returns {name: compiled kernel}.
     """
-    if _INTERPRET:
-        raise RuntimeError("aot_compile_check needs the module imported without TRITON_INTERPRET")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     bp, bh, nw = _cfg()
     out = {}
     for dt in dtypes:
         for fn, consts in ((_fwd_kernel, dict(BLOCK_P=bp, BLOCK_H=bh)),
                            (_bwd_kernel, dict(NEED_DH=True, NEED_DW=True, BLOCK_P=bp, BLOCK_H=bh))):
-            sig = {}
-            for name in fn.arg_names:
-                if name in consts:
-                    sig[name] = "constexpr"
-                elif name in ("H_ptr", "W_ptr", "B_ptr"):
-                    sig[name] = f"*{dt}"
-                elif name == "POS_ptr":
-                    sig[name] = "*i64"
-                elif name.endswith("_ptr"):
-                    sig[name] = "*fp32"
-                else:
-                    sig[name] = "i32"
-            src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-            out[f"{fn.__name__}[{dt}]"] = triton.compile(
-                src, target=GPUTarget("cuda", arch, 32), options={"num_warps": nw})
+            types = {name: (f"*{dt}" if name in ("H_ptr", "W_ptr", "B_ptr") else "*i64" if name == "POS_ptr"
+                            else "*fp32" if name.endswith("_ptr") else "i32") for name in fn.arg_names}
+            out[f"{fn.__name__}[{dt}]"] = aot_compile(fn, consts, types, arch=arch, num_warps=nw)
     return out
 
 
@@ -202,12 +175,12 @@ class _BoundaryFn(torch.autograd.Function):
 def _pick_backend(hidden, positions, backend):
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "triton" and not (_HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
+    if backend == "triton" and not (HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
         raise RuntimeError("backend='triton' needs CUDA or TRITON_INTERPRET=1 set before "
                            "importing trace_mega.kernels.boundary_scoring")
     if backend != "auto":
         return backend
-    if _HAS_TRITON and (hidden.is_cuda or (_INTERPRET and positions.shape[0] <= INTERPRET_MAX_P)):
+    if HAS_TRITON and (hidden.is_cuda or (_INTERPRET and positions.shape[0] <= INTERPRET_MAX_P)):
         return "triton"
     return "torch"
 

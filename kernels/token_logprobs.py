@@ -9,7 +9,8 @@ Computes, for every token t of a packed stream,
 
 in vocab chunks with an online (max, sum-exp, sum p*z) recurrence, so the peak extra
 memory is O(T * chunk + T * H + V * H) instead of the O(T * V) fp32 logits (and their
-log-softmax copy and gradient) that `log_softmax(hidden @ W.T).gather` materialises.
+log-softmax copy and gradient) that `log_softmax(hidden @ W.T).gather` materialises
+(`token_logprobs_ref.py`: that reference, the ground truth of the tests).
 
 Backends (chosen by `backend="auto"`):
 
@@ -49,62 +50,29 @@ and entropy are 0 and it contributes no gradient. Targets must otherwise lie in
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-try:  # Triton is optional at import time: the torch path must work without it.
+from trace_mega.kernels._triton_env import HAS_TRITON, aot_compile, interpreting
+
+if HAS_TRITON:  # optional at import time: the torch path must work without it
     import triton
     import triton.language as tl
 
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton is a declared dependency
-    _HAS_TRITON = False
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = interpreting()  # fixed at import, as for the @triton.jit decorators below
 
 #: Under the interpreter, problems larger than this (T * V_local) go to the torch path.
 INTERPRET_MAX_ELEMS = 1 << 18
 #: Default vocab chunk (columns) of the torch path.
 TORCH_CHUNK = 8192
 
-__all__ = [
-    "token_logprobs",
-    "token_logprobs_reference",
-    "token_logprobs_chunked_torch",
-    "INTERPRET_MAX_ELEMS",
-]
-
-
-# ----------------------------------------------------------------------------------
-# Reference (materialises the logits; the ground truth in tests and the bench baseline)
-# ----------------------------------------------------------------------------------
-def token_logprobs_reference(hidden, weight, targets, *, with_entropy=False, temperature=1.0):
-    """`log_softmax(hidden @ weight.T / temperature).gather(targets)`, fully materialised.
-
-    The matmul runs in the inputs' dtype (as a model's output layer does), the
-    log-softmax in fp32. Negative targets give logprob 0 / entropy 0. Single shard only
-    (weight holds the whole vocabulary). Returns fp32 (T,) [and entropy (T,)].
-    """
-    logits = (hidden @ weight.t()).float()  # (T, V) fp32 (no copy for fp32 inputs)
-    if temperature != 1.0:  # skip the extra (T, V) copy in the common case
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)  # (T, V)
-    valid = targets >= 0
-    lp = logp.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
-    lp = torch.where(valid, lp, torch.zeros_like(lp))
-    if not with_entropy:
-        return lp
-    ent = -(logp.exp() * logp).sum(-1)
-    ent = torch.where(valid, ent, torch.zeros_like(ent))
-    return lp, ent
+__all__ = ["token_logprobs", "INTERPRET_MAX_ELEMS"]
 
 
 # ----------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _fwd_stats_kernel(
@@ -291,37 +259,20 @@ def aot_compile_check(arch=90, dtypes=("bf16", "fp32")):
     interpreter never runs the non-UPCAST code paths). Returns {name: compiled kernel};
     raises on any compile error.
     """
-    if _INTERPRET:
-        raise RuntimeError("aot_compile_check needs the module imported without TRITON_INTERPRET")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     out = {}
     for dt in dtypes:
         for bwd, fn in ((False, _fwd_stats_kernel), (True, _bwd_kernel), (True, _dz_kernel)):
             bt, bv, bh, upcast, prec, nw = _triton_cfg(torch_dt[dt], bwd)
+            # dz: the GEMM operand dtype
+            types = {name: (f"*{dt}" if name in ("H_ptr", "W_ptr", "DZ_ptr") else "*i64" if name == "TGT_ptr"
+                            else "*fp32" if name.endswith("_ptr") else "fp32" if name == "inv_temp" else "i32")
+                     for name in fn.arg_names}
             for ent in (True, False):
-                consts = dict(WITH_ENT=ent, UPCAST=upcast, PREC=prec,
-                              BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
+                consts = dict(WITH_ENT=ent, UPCAST=upcast, PREC=prec, BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
                 if fn is _bwd_kernel:
                     consts.update(NEED_DH=True, NEED_DW=True)
-                sig = {}
-                for name in fn.arg_names:
-                    if name in consts:
-                        sig[name] = "constexpr"
-                    elif name in ("H_ptr", "W_ptr", "DZ_ptr"):  # dz: GEMM operand dtype
-                        sig[name] = f"*{dt}"
-                    elif name == "TGT_ptr":
-                        sig[name] = "*i64"
-                    elif name.endswith("_ptr"):
-                        sig[name] = "*fp32"
-                    else:
-                        sig[name] = "fp32" if name == "inv_temp" else "i32"
-                src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-                key = f"{fn.__name__}[{dt},entropy={ent}]"
-                out[key] = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                          options={"num_warps": nw})
+                out[f"{fn.__name__}[{dt},entropy={ent}]"] = aot_compile(fn, consts, types, arch=arch, num_warps=nw)
     return out
 
 
@@ -587,13 +538,13 @@ def _pick_backend(hidden, weight, backend):
         raise ValueError("backend must be 'auto', 'triton', 'triton_dz' or 'torch', "
                          f"got {backend!r}")
     if backend != "auto":
-        if backend != "torch" and not (_HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
+        if backend != "torch" and not (HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
             raise RuntimeError("backend='triton' needs CUDA or TRITON_INTERPRET=1 set "
                                "before importing trace_mega.kernels.token_logprobs")
         return backend
-    if _HAS_TRITON and hidden.is_cuda:
+    if HAS_TRITON and hidden.is_cuda:
         return "triton"
-    if _HAS_TRITON and _INTERPRET and hidden.shape[0] * weight.shape[0] <= INTERPRET_MAX_ELEMS:
+    if HAS_TRITON and _INTERPRET and hidden.shape[0] * weight.shape[0] <= INTERPRET_MAX_ELEMS:
         return "triton"
     return "torch"
 
@@ -647,8 +598,3 @@ def token_logprobs(hidden, weight, targets, *, chunk_size=None, tp_group=None, v
                                      bool(with_entropy), 1.0 / float(temperature), be, chunk,
                                      bool(reduce_grad_hidden))
     return (lp, ent) if with_entropy else lp
-
-
-def token_logprobs_chunked_torch(hidden, weight, targets, **kw):
-    """`token_logprobs(..., backend="torch")` -- the chunked PyTorch implementation."""
-    return token_logprobs(hidden, weight, targets, backend="torch", **kw)

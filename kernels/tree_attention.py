@@ -39,8 +39,10 @@ Public API (the Megatron core-attention leaf calls :func:`tree_attention`)::
 
     tree_attention(q, k, v, token_node, token_node_exit, *, scale=None)
     tree_attention_tiled(..., block_m=None, block_n=None)  # same, explicit tiles
-    tree_attention_reference / tree_attention_flex / tree_mask   (references)
     tile_skip_stats(token_node, token_node_exit, block_m, block_n)
+
+The references (SDPA with the materialised mask, flex_attention, the mask itself)
+are in ``tree_attention_ref.py``.
 
 CPU: the kernels run under Triton's interpreter when ``TRITON_INTERPRET=1``
 was set before this module was imported.  Without it (a plain CPU run, e.g.
@@ -57,24 +59,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from trace_mega.kernels.tree_attention_ref import (
-    tree_attention_flex,
-    tree_attention_reference,
-    tree_flex_block_mask,
-    tree_layout,
-    tree_mask,
-)
+from trace_mega.kernels._triton_env import interpreting
+from trace_mega.kernels.tree_attention_ref import tree_attention_reference
 
-__all__ = [
-    "tree_attention",
-    "tree_attention_tiled",
-    "tree_attention_reference",
-    "tree_attention_flex",
-    "tree_flex_block_mask",
-    "tree_mask",
-    "tree_layout",
-    "tile_skip_stats",
-]
+__all__ = ["tree_attention", "tree_attention_tiled", "tile_skip_stats"]
+
+_INTERPRET = interpreting()  # fixed at import, as for the @triton.jit decorators below
 
 _I32_MAX = 2147483647
 
@@ -317,9 +307,6 @@ def _tree_attn_bwd_dq(
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqt
              + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qd_mask)
-
-
-_INTERPRET = not isinstance(_tree_attn_fwd, triton.runtime.jit.JITFunction)
 
 
 # --------------------------------------------------------------------------- host side

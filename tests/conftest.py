@@ -1,15 +1,16 @@
 """Test-wide setup: Triton's interpreter on CPU, the `gpu` marker, quiet threads.
 
-TRITON_INTERPRET must be set before any `@triton.jit` decorator runs, i.e.
-before the kernel modules are imported, so it is set here at collection time.
+The interpreter must be switched on before any `@triton.jit` decorator runs, i.e.
+before the kernel modules are imported, so it is done here at collection time.
 """
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from trace_mega.kernels._triton_env import use_interpreter_without_cuda
+
+use_interpreter_without_cuda()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 

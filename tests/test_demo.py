@@ -1,10 +1,11 @@
 """`trace-mega demo` and `eval` as a user runs them (shortened), in a real subprocess."""
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from trace_mega.kernels._triton_env import env_without_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["steps=2", "allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12", "rollout.max_turns=4",
@@ -12,8 +13,7 @@ SHORT = ["steps=2", "allocation.prompts_per_step=8", "allocation.root_rollouts_p
 
 
 def _run(args, timeout=400):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
+    env = env_without_interpreter() | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "trace_mega.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,5 @@
 """End-to-end trainer runs on CPU: each a real `trace-mega train` process (megatron + gloo)."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -9,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from trace_mega.kernels._triton_env import env_without_interpreter
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "demo_cpu.yaml"
 SMALL = ["allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12", "rollout.max_turns=4",
@@ -16,9 +17,7 @@ SMALL = ["allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12"
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("TRITON_INTERPRET", None)
-    return env
+    return env_without_interpreter() | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _train(out: Path, *overrides: str, timeout: int = 300) -> list[dict]:

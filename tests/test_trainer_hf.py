@@ -9,12 +9,13 @@ gold answers, and one on `math_python` (sandboxed interpreter).
 """
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from trace_mega.kernels._triton_env import env_without_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,8 +44,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _train(checkpoint, out, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
+    env = env_without_interpreter() | {"OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
            "steps=1", f"model.hf_checkpoint={checkpoint}", "allocation.prompts_per_step=4",
            "allocation.root_rollouts_per_step=6", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=24",

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from trace_mega.kernels._triton_env import env_without_interpreter
+
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
@@ -19,9 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_two_trace_steps_on_vllm(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env = env_without_interpreter() | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
            "steps=2", "rollout.engine=vllm", "model.head_dim=32",  # vLLM's CPU attention needs head_dim >= 32
            "rollout.kv_block_size_tokens=32",  # hits come in whole blocks (CPU: multiples of 32)

@@ -21,20 +21,40 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _bench(argv: list[str]) -> int:
-    names = sorted(p.stem[len("bench_"):] for p in BENCH_DIR.glob("bench_*.py"))
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: trace-mega bench NAME [options]; NAME is one of: {', '.join(names)}")
-        return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
+def benchmark_names() -> list[str]:
+    """NAME of every benchmarks/bench_NAME.py of this checkout."""
+    return sorted(p.stem[len("bench_"):] for p in BENCH_DIR.glob("bench_*.py"))
+
+
+def load_benchmark(name: str):
+    """Import benchmarks/bench_NAME.py as module `bench_NAME` (its `main(argv) -> dict` runs it).
+
+    benchmarks/ goes on sys.path first, as when the file runs as a script, so the
+    benchmark finds its shared `harness` module.
+    """
     path = BENCH_DIR / f"bench_{name}.py"
     if not path.is_file():
-        print(f"unknown benchmark {name!r}; valid names: {', '.join(names)} (looked in {BENCH_DIR})", file=sys.stderr)
-        return 2
+        raise KeyError(f"unknown benchmark {name!r}; valid names: {', '.join(benchmark_names())} "
+                       f"(looked in {BENCH_DIR})")
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
     spec.loader.exec_module(module)
-    module.main(rest)
+    return module
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: trace-mega bench NAME [options]; NAME is one of: {', '.join(benchmark_names())}")
+        return 0 if argv else 2
+    try:
+        module = load_benchmark(argv[0])
+    except KeyError as e:
+        print(e.args[0], file=sys.stderr)
+        return 2
+    module.main(argv[1:])
     return 0
 
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from trace_mega.allocation import allocate_prefixes, prefix_value
-from trace_mega.allocation.reference import prefix_objective, prefixes_dp, prefixes_greedy_python
+from trace_mega.kernels.allocation_ref import prefix_objective, prefixes_dp, prefixes_greedy_python
 
 
 def _group_sums(k, group, G):

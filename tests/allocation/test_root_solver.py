@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from trace_mega.allocation import allocate_roots, root_value
-from trace_mega.allocation.reference import root_objective, roots_dp, roots_greedy_python
+from trace_mega.kernels.allocation_ref import root_objective, roots_dp, roots_greedy_python
 
 
 def _feasible(B, Mmax, M):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from trace_mega.allocation.reference import prefix_objective, prefixes_dp
+from trace_mega.kernels.allocation_ref import prefix_objective, prefixes_dp
 from trace_mega.kernels.allocation import dense_layout, root_relaxed_counts, root_unit_gains, segmented_threshold
 
 

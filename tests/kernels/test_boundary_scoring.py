@@ -5,7 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trace_mega.kernels.boundary_scoring as bsm
-from trace_mega.kernels.boundary_scoring import boundary_scores, boundary_scores_reference
+from trace_mega.kernels._triton_env import env_without_interpreter
+from trace_mega.kernels.boundary_scoring import boundary_scores
+from trace_mega.kernels.boundary_scoring_ref import boundary_scores_reference
 
 BACKENDS = ["triton", "torch"]
 # gradient tolerance relative to the largest reference gradient (bf16 grads are rounded)
@@ -169,12 +171,11 @@ def test_gpu_matches_reference(dtype):
 @pytest.mark.slow
 def test_gpu_kernels_compile_for_sm90():
     """Compile the sm_90 GPU kernels (no GPU needed) in a process without the interpreter."""
-    import os
     import subprocess
     import sys
 
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = env_without_interpreter()
     code = ("import trace_mega.kernels.boundary_scoring as m; ks = m.aot_compile_check(); "
             "assert all(k.asm['cubin'] for k in ks.values()); print(len(ks))")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trace_mega.kernels.token_logprobs as tlp
-from trace_mega.kernels.token_logprobs import token_logprobs, token_logprobs_reference
+from trace_mega.kernels._triton_env import env_without_interpreter
+from trace_mega.kernels.token_logprobs import token_logprobs
+from trace_mega.kernels.token_logprobs_ref import token_logprobs_reference
 
 BACKENDS = ["triton", "triton_dz", "torch"]
 TP_BACKENDS = ["triton", "torch"]  # the TP combine / all-reduce is backend-independent
@@ -345,7 +347,7 @@ def _aot_compile(module):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = env_without_interpreter()
     code = (f"import {module} as m; ks = m.aot_compile_check(); "
             "assert all(k.asm['cubin'] for k in ks.values()); print(len(ks))")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

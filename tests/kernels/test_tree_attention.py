@@ -8,7 +8,6 @@ axis (odd T exercises the ragged last tile).
 from __future__ import annotations
 
 import random
-import sys
 import warnings
 
 import pytest
@@ -17,15 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trace_mega.kernels.tree_attention as ta
-from trace_mega.kernels.tree_attention import (
-    tile_skip_stats,
-    tree_attention,
-    tree_attention_flex,
-    tree_attention_reference,
-    tree_attention_tiled,
-    tree_layout,
-    tree_mask,
-)
+from trace_mega.kernels.tree_attention import tile_skip_stats, tree_attention, tree_attention_tiled
+from trace_mega.kernels.tree_attention_ref import tree_attention_flex, tree_attention_reference, tree_layout, tree_mask
 
 # ----------------------------------------------------------------- tree shapes
 
@@ -428,16 +420,10 @@ def test_cpu_without_interpreter_falls_back_to_reference(monkeypatch):
 
 def test_benchmark_quick_run(tmp_path):
     """The benchmark runs, its analytic counts are consistent, and its spot-check passes."""
-    import importlib.util
-    from pathlib import Path
+    from trace_mega.cli import load_benchmark
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_tree_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_tree_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(bench)
     out = tmp_path / "b.json"
-    res = bench.main(["--quick", "--json", str(out)])
+    res = load_benchmark("tree_attention").main(["--quick", "--json", str(out)])
     assert out.exists() and res["spot_check"]["ok"]
     (row,) = res["work"]
     assert row["packed_tokens"] < row["flat_tokens"]

@@ -5,12 +5,13 @@ Qwen3 made here). A gradient counted once per TP rank (e.g. the hidden-state
 gradient summed twice under sequence parallelism) shows up as a larger norm.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from trace_mega.kernels._triton_env import env_without_interpreter
 
 WORKER = Path(__file__).parent / "workers" / "learner_step_worker.py"
 
@@ -33,8 +34,7 @@ def _run(hf_dir: Path, tmp_path: Path, tp: int, sp: bool) -> dict:
     from trace_mega.learner.parallel import free_port
 
     out = tmp_path / f"tp{tp}_sp{int(sp)}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
+    env = env_without_interpreter() | {"OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
            str(free_port()), str(WORKER), str(hf_dir), str(out), str(tp), str(int(sp))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

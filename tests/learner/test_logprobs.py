@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trace_mega.kernels.token_logprobs import token_logprobs_reference
+from trace_mega.kernels.token_logprobs_ref import token_logprobs_reference
 from trace_mega.learner.logprobs import flat_token_logprobs, packed_token_logprobs
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 

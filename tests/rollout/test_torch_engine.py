@@ -183,14 +183,9 @@ def test_prefix_cache_lru_bound_and_subsumption():
 
 
 def test_bench_prefix_reuse_quick_runs_and_reuse_is_exact():
-    import importlib.util
-    from pathlib import Path
+    from trace_mega.cli import load_benchmark
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_prefix_reuse.py"
-    spec = importlib.util.spec_from_file_location("bench_prefix_reuse", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    res = bench.main(["--quick", "--json", "", "--engines", "torch"])
+    res = load_benchmark("prefix_reuse").main(["--quick", "--json", "", "--engines", "torch"])
     with_r, without = res["rows"]
     assert with_r["samples_identical"] and with_r["prompt_tokens"] == without["prompt_tokens"]
     assert without["cached_prefill_tokens"] == 0 and with_r["prefill_avoided_frac"] > 0.5

@@ -1,7 +1,8 @@
 """The CPU compatibility layer for megatron-core (the ONE place that patches another library).
 
 megatron-core assumes CUDA throughout: no GPTModel configuration runs on a
-CPU-only torch build unpatched (measured, see /work/shared/notes/megatron_on_cpu.md).
+CPU-only torch build unpatched (measured; docs/learner.md, "The CPU compatibility
+layer", states the facts and lists every patch with the error it avoids).
 `enable_cpu_compat()` applies the small set of patches below, once per
 process, and only when the configured device is CPU. Each patch names the
 error it avoids. The layer is pinned to megatron-core `PINNED_MEGATRON_CORE`;

@@ -1,8 +1,10 @@
-"""Reference solvers for the allocation problems: exact dynamic programmes and plain-Python greedies.
+"""Reference of `allocation`: the allocation problems solved exactly by dynamic programmes, and plain-Python greedies.
 
-These are the baselines the batched solvers are checked against (tests) and
-timed against (benchmarks/bench_allocation.py). They work on host NumPy /
-Python data and loop over prompts by design.
+The ground truth that `allocation.py`'s primitives, and the solvers built on them
+(`trace_mega.allocation`: `allocate_roots`, `allocate_prefixes`), are checked
+against (tests/kernels/test_allocation.py, tests/allocation/) and timed against
+(benchmarks/bench_allocation.py). They work on host NumPy / Python data and loop
+over prompts by design: obviously right, not fast.
 """
 from __future__ import annotations
 

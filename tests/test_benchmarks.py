@@ -1,0 +1,56 @@
+"""benchmarks/: the shared harness, and every benchmark loads through it (`trace-mega bench NAME`)."""
+import json
+
+import pytest
+
+from trace_mega.cli import BENCH_DIR, benchmark_names, load_benchmark
+
+load_benchmark("allocation_kernel")  # puts benchmarks/ on sys.path, as `trace-mega bench` does
+import harness  # noqa: E402
+
+
+def test_timeit_warms_up_then_reduces():
+    calls = []
+    ticks = iter([0.0, 1.0, 1.0, 4.0, 4.0, 6.0])  # three timed calls: 1 s, 3 s, 2 s
+    harness._CLOCKS["fake"] = lambda: next(ticks)
+    try:
+        assert harness.timeit(lambda: calls.append(1), reps=3, warmup=2, clock="fake", reduce="median") == 2.0
+        assert len(calls) == 5  # 2 warm-up + 3 timed
+        ticks = iter([0.0, 1.0, 1.0, 4.0])
+        harness._CLOCKS["fake"] = lambda: next(ticks)
+        assert harness.timeit(lambda: None, reps=2, warmup=0, clock="fake", reduce="min") == 1.0
+    finally:
+        del harness._CLOCKS["fake"]
+    with pytest.raises(ValueError, match="reduce"):
+        harness.timeit(lambda: None, reduce="p99")
+    out, sec = harness.timed(lambda: 7)
+    assert out == 7 and sec >= 0.0
+
+
+def test_print_table_aligns_and_marks_missing(capsys):
+    harness.print_table([{"name": "a", "x": 1.5}, {"name": "long name"}],
+                        [("name", "name", "<"), ("x", "x value", ".2f")], title="T")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["T", "name       x value", "---------  -------", "a             1.50",
+                     "long name        -"]
+
+
+def test_write_json_and_its_off_switch(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    assert harness.write_json({"a": 1}, path) == path and json.loads(path.read_text()) == {"a": 1}
+    assert harness.write_json({"a": 1}, "") is None
+
+
+@pytest.mark.parametrize("name", benchmark_names())
+def test_every_benchmark_loads_and_has_json_flag(name, capsys):
+    assert (BENCH_DIR / f"bench_{name}.py").is_file()
+    module = load_benchmark(name)
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
+    assert "--json" in capsys.readouterr().out
+
+
+def test_unknown_benchmark_names_the_valid_ones():
+    with pytest.raises(KeyError, match="valid names: allocation"):
+        load_benchmark("nope")

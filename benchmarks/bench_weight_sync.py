@@ -43,7 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import RESULTS, ROOT, command_line, parser, print_table, write_json
+
 GB = 1e9
 
 
@@ -131,7 +132,7 @@ def project(config: str, a: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, RESULTS / "weight_sync.json")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model", action="append", default=None,
                     help="model override for the measured run (repeatable), e.g. model.hidden_size=512")
@@ -141,7 +142,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bucket-mib", type=float, default=512.0)
     ap.add_argument("--latency-us", type=float, default=30.0)
     ap.add_argument("--engine-us-per-tensor", type=float, default=50.0)
-    ap.add_argument("--json", default="bench_results/bench_weight_sync.json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     model = a.model or ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=768",
@@ -151,27 +151,23 @@ def main(argv: list[str] | None = None) -> dict:
         _worker(a.worker, a.reps, model)
         return {}
     measured = [row for tp in (1, 2) for row in _measure(tp, a.reps, model)]
-    print("measured on this machine (CPU, gloo, torch engine on every rank):")
-    print(f"{'TP':>3} {'rank':>4} {'params':>10} {'export s':>9} {'load s':>8} {'us/tensor':>9} {'recv MB':>8} "
-          f"{'to engine MB':>12}")
-    for r in measured:
-        print(f"{r['tp']:>3} {r['rank']:>4} {r['params']:>10,} {r['export_s']:>9.4f} {r['load_s']:>8.4f} "
-              f"{1e6 * r['load_s'] / r['tensors']:>9.1f} {r['bytes_received'] / 1e6:>8.2f} {r['bytes_to_engine'] / 1e6:>12.2f}")
+    print_table(measured, [("tp", "TP", "d"), ("rank", "rank", "d"), ("params", "params", ",d"),
+                           ("export_s", "export s", ".4f"), ("load_s", "engine load s", ".4f"),
+                           ("bytes_received", "received B", ",d"), ("bytes_to_engine", "to engine B", ",d")],
+                title="measured on this machine (CPU, gloo, a torch engine on every rank):")
     projected = [project(name, a) for name in ("qwen3_14b_multihop.yaml", "qwen3_30b_a3b_bfcl.yaml")]
-    print(f"\nprojected per rank on H100 (NVLink {a.nvlink_gbps:g} GB/s, IB {a.ib_gbps:g} GB/s, HBM {a.hbm_gbps:g} GB/s, "
-          f"buckets {a.bucket_mib:g} MiB, {a.latency_us:g} us per collective, {a.engine_us_per_tensor:g} us per tensor "
-          f"in the engine); anchor: NeMo-RL 0.74-1.0 s for Qwen3-30B-A3B")
-    print(f"{'config':<26} {'weights GB':>10} {'tensors':>8} {'gather: recv GB':>15} {'s':>7} {'aligned: recv GB':>16} {'s':>7}")
-    for p in projected:
-        print(f"{p['config']:<26} {p['weights_gb']:>10.1f} {p['hf_tensors']:>8,} {p['gather_bytes_received_gb']:>15.1f} "
-              f"{p['gather_s']:>7.3f} "
-              f"{p['aligned_bytes_received_gb']:>16.1f} {p['aligned_s']:>7.3f}")
-    result = {"measured": measured, "projected": projected,
+    print()
+    print_table(projected, [("config", "config", "<"), ("weights_gb", "weights GB", ".1f"), ("hf_tensors", "tensors", ",d"),
+                            ("gather_bytes_received_gb", "gather: recv GB", ".1f"), ("gather_s", "gather s", ".3f"),
+                            ("aligned_bytes_received_gb", "aligned: recv GB", ".1f"), ("aligned_s", "aligned s", ".3f")],
+                title=f"projected per rank on H100 (NVLink {a.nvlink_gbps:g} GB/s, IB {a.ib_gbps:g} GB/s, HBM "
+                      f"{a.hbm_gbps:g} GB/s, buckets {a.bucket_mib:g} MiB, {a.latency_us:g} us per collective, "
+                      f"{a.engine_us_per_tensor:g} us per tensor in the engine); anchor: NeMo-RL 0.74-1.0 s for "
+                      f"Qwen3-30B-A3B")
+    result = {"command": command_line(__file__, argv), "measured": measured, "projected": projected,
               "assumptions": {k: getattr(a, k) for k in ("nvlink_gbps", "ib_gbps", "hbm_gbps", "bucket_mib", "latency_us",
-                                                     "engine_us_per_tensor")}}
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2))
+                                                         "engine_us_per_tensor")}}
+    write_json(result, a.json)
     return result
 
 

@@ -1,14 +1,11 @@
 """benchmarks/bench_weight_sync.py: the measured path runs and counts bytes; the projection's arithmetic."""
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("bench_weight_sync", ROOT / "benchmarks" / "bench_weight_sync.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from trace_mega.cli import load_benchmark
+
+bench = load_benchmark("weight_sync")
 
 ASSUME = argparse.Namespace(nvlink_gbps=360.0, ib_gbps=45.0, hbm_gbps=1500.0, bucket_mib=512.0, latency_us=30.0,
                             engine_us_per_tensor=50.0)

@@ -1,12 +1,19 @@
-"""`trace-mega demo | train | eval | bench`.
+"""`trace-mega demo | train | eval | export | bench`.
 
 * `demo`  — the embedded default: a tiny GPT policy on a learnable synthetic
   environment, on CPU, `uniform` GRPO vs `trace` at equal rollout budget, with
   a Markdown + PNG report.
-* `train --config FILE [key=value ...]` — one training run (under torchrun for
+* `train --config NAME|FILE [key=value ...]` — one training run (under torchrun for
   TP/PP/EP/DP: `torchrun --nproc-per-node 2 -m trace_mega.cli train ...`).
-* `eval --config FILE` — success rate of the current (or a checkpointed) policy.
-* `bench NAME [args]` — runs `benchmarks/bench_NAME.py` of this checkout.
+* `eval --config NAME|FILE` — pass@k, mean@n and accuracy per benchmark of the
+  current (or a checkpointed) policy, as a Markdown table and JSON.
+* `export --run DIR [--step N] --out HF_DIR` — a checkpointed run as an HF checkpoint.
+* `bench NAME [args]` — runs the shipped `bench_NAME.py`.
+
+`--config` takes a YAML path or the name of a shipped config (`demo_cpu`,
+`qwen3_14b_multihop`, `qwen3_30b_a3b_bfcl`). The console shows the step lines,
+progress bars and warnings; library logs go to `<run dir>/<command>.log`
+(and to the console with `--verbose`).
 """
 from __future__ import annotations
 
@@ -16,19 +23,24 @@ import logging
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+log = logging.getLogger("trace_mega")
 
 
 def _bench(argv: list[str]) -> int:
-    names = sorted(p.stem[len("bench_"):] for p in BENCH_DIR.glob("bench_*.py"))
+    """Run a shipped benchmark as `python benchmarks/bench_NAME.py ARGS` would."""
+    from trace_mega.resources import benchmarks
+
+    found = benchmarks()
+    names = ", ".join(found)
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: trace-mega bench NAME [options]; NAME is one of: {', '.join(names)}")
+        print(f"usage: trace-mega bench NAME [options]; NAME is one of: {names}")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    path = BENCH_DIR / f"bench_{name}.py"
-    if not path.is_file():
-        print(f"unknown benchmark {name!r}; valid names: {', '.join(names)} (looked in {BENCH_DIR})", file=sys.stderr)
+    if name not in found:
+        print(f"unknown benchmark {name!r}; valid names: {names}", file=sys.stderr)
         return 2
+    path = found[name]
+    sys.path.insert(0, str(path.parent))  # a script's own directory comes first on its sys.path
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -36,39 +48,88 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
+def _ks(text: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", "-v", action="store_true",
+                        help="also print library logs (Megatron, transformers, vLLM) and their warnings")
+    parser = argparse.ArgumentParser(prog="trace-mega", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("demo", parents=[common], help="tiny CPU run: uniform GRPO vs TRACE at equal budget, with a report")
+    p.add_argument("--out", default="runs/demo", help="output directory of the report")
+    p.add_argument("--config", default="demo_cpu", help="base config, a shipped name or a YAML path (default: demo_cpu)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
+    p = sub.add_parser("train", parents=[common], help="train from a config")
+    p.add_argument("--config", required=True, help="a shipped config name (demo_cpu, ...) or a YAML path")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. allocation.name=uniform")
+    p = sub.add_parser("eval", parents=[common], help="pass@k / mean@n per benchmark of a config's policy "
+                                                       "(from its checkpoint if any)")
+    p.add_argument("--config", required=True, help="a shipped config name or a YAML path")
+    p.add_argument("--split", default=None, help="task split (default: eval.split)")
+    p.add_argument("--samples", type=int, default=None, help="n: samples per task (default: eval.samples_per_task)")
+    p.add_argument("--k", type=_ks, default=None, help="comma-separated k of pass@k, each <= n (default: 1, 2, 4, ..., n)")
+    p.add_argument("--max-tasks", type=int, default=None, help="evaluate only the first N tasks")
+    p.add_argument("--out", default=None, help="directory of <split>.json / <split>.md (default: <out_dir>/eval)")
+    p.add_argument("overrides", nargs="*")
+    p = sub.add_parser("export", parents=[common], help="write a checkpointed run as an HF checkpoint")
+    p.add_argument("--run", required=True, help="the run's checkpoint.dir, or its telemetry.out_dir")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--out", required=True, help="HF checkpoint directory to write")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to rebuild the model")
+    sub.add_parser("bench", help="run the shipped benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
+    return parser
+
+
+def _eval_overrides(args: argparse.Namespace) -> list[str]:
+    extra = []
+    if args.split is not None:
+        extra.append(f"eval.split={args.split}")
+    if args.samples is not None:
+        extra.append(f"eval.samples_per_task={args.samples}")
+    if args.k is not None:
+        extra.append(f"eval.ks=[{','.join(map(str, args.k))}]")
+    if args.max_tasks is not None:
+        extra.append(f"eval.max_tasks={args.max_tasks}")
+    return args.overrides + extra
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="trace-mega", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_demo = sub.add_parser("demo", help="tiny CPU run: uniform GRPO vs TRACE at equal budget, with a report")
-    p_demo.add_argument("--out", default="runs/demo", help="output directory of the report")
-    p_demo.add_argument("--config", default=None, help="base config (default: configs/demo_cpu.yaml)")
-    p_demo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
-    p_train = sub.add_parser("train", help="train from a YAML config")
-    p_train.add_argument("--config", required=True)
-    p_train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. allocation.name=uniform")
-    p_eval = sub.add_parser("eval", help="evaluate the policy of a config (from its checkpoint if any)")
-    p_eval.add_argument("--config", required=True)
-    p_eval.add_argument("--split", default="test")
-    p_eval.add_argument("overrides", nargs="*")
-    sub.add_parser("bench", help="run benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from trace_mega.logs import log_to_file, setup_logging
+
+    setup_logging(verbose=args.verbose)
     from trace_mega.config import ConfigError, TrainConfig, load_yaml
+    from trace_mega.resources import resolve_config
 
     try:
+        if args.cmd == "export":
+            from trace_mega.export import export_checkpoint
+
+            log_to_file(args.out, "export")
+            export_checkpoint(args.run, args.out, step=args.step, device=args.device)
+            return 0
+        config = resolve_config(args.config)
         if args.cmd == "demo":
             from trace_mega.demo import run_demo
 
-            run_demo(out_dir=args.out, config_path=args.config, overrides=args.overrides)
+            log_to_file(args.out, "demo")
+            run_demo(out_dir=args.out, config_path=config, overrides=args.overrides)
             return 0
-        cfg = load_yaml(TrainConfig, args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"invalid config: {exc}", file=sys.stderr)
+        cfg = load_yaml(TrainConfig, config, _eval_overrides(args) if args.cmd == "eval" else args.overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"invalid config: {exc}" if isinstance(exc, ConfigError) else str(exc), file=sys.stderr)
         return 2
+    log_to_file(cfg.telemetry.out_dir, args.cmd)
     from trace_mega.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -76,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "train":
             trainer.train()
         else:
-            print(trainer.evaluate(args.split))
+            report = trainer.evaluate()
+            if report is not None:
+                out = Path(args.out) if args.out else Path(cfg.telemetry.out_dir) / "eval"
+                js, md = report.write(out, report.split)
+                print(report.markdown())
+                print(f"wrote {js} and {md}")
     finally:
         trainer.close()
     return 0

@@ -24,13 +24,19 @@ _SKIP = shutil.ignore_patterns(".git", ".venv*", "runs", "build", "dist", "*.egg
                                "bench_results", ".pytest_cache", ".hypothesis")
 
 
+def _can_build_wheels_here() -> bool:
+    try:
+        return bool(importlib.util.find_spec("wheel") or importlib.util.find_spec("setuptools.command.bdist_wheel"))
+    except ModuleNotFoundError:  # no setuptools at all
+        return False
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=_SKIP)
-    local = importlib.util.find_spec("wheel") or importlib.util.find_spec("setuptools.command.bdist_wheel")
-    isolation = ["--no-build-isolation"] if local else []
+    isolation = ["--no-build-isolation"] if _can_build_wheels_here() else []
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
                            "-w", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -1,11 +1,13 @@
 """Package layout; all other metadata lives in pyproject.toml.
 
-`kernels/` sits at the top of the repository (beside `trace_mega/`) but is
-installed as `trace_mega.kernels`, never as a top-level package `kernels`.
+`kernels/`, `configs/` and `benchmarks/` sit at the top of the repository
+(beside `trace_mega/`) but are installed as `trace_mega.kernels`,
+`trace_mega.configs` and `trace_mega.benchmarks`, never as top-level packages;
+the YAML configs are their package's data (pyproject.toml).
 """
 from setuptools import find_packages, setup
 
-packages = find_packages(include=["trace_mega", "trace_mega.*"])
-packages += ["trace_mega.kernels"]
+MAPPED = {"trace_mega.kernels": "kernels", "trace_mega.configs": "configs", "trace_mega.benchmarks": "benchmarks"}
+packages = find_packages(include=["trace_mega", "trace_mega.*"]) + list(MAPPED)
 
-setup(packages=packages, package_dir={"trace_mega.kernels": "kernels"})
+setup(packages=packages, package_dir=MAPPED)

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from trace_mega.cli import BENCH_DIR, benchmark_names, load_benchmark
+from trace_mega.cli import benchmark_names, load_benchmark
+from trace_mega.resources import benchmarks_dir
 
 load_benchmark("allocation_kernel")  # puts benchmarks/ on sys.path, as `trace-mega bench` does
 import harness  # noqa: E402
@@ -43,7 +44,7 @@ def test_write_json_and_its_off_switch(tmp_path):
 
 @pytest.mark.parametrize("name", benchmark_names())
 def test_every_benchmark_loads_and_has_json_flag(name, capsys):
-    assert (BENCH_DIR / f"bench_{name}.py").is_file()
+    assert (benchmarks_dir() / f"bench_{name}.py").is_file()
     module = load_benchmark(name)
     with pytest.raises(SystemExit) as exc:
         module.main(["--help"])

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -51,11 +53,44 @@ def test_yaml_with_overrides(tmp_path):
 
 
 def test_shipped_configs_load():
-    from pathlib import Path
+    from trace_mega.resources import shipped_configs
 
-    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-    for path in configs:
+    on_disk = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert sorted(p.name for p in shipped_configs().values()) == [p.name for p in on_disk]
+    for path in on_disk:
         load_yaml(TrainConfig, path)
+
+
+def test_configs_resolve_by_name_or_path(tmp_path, monkeypatch):
+    from trace_mega.resources import resolve_config, shipped_configs
+
+    shipped = shipped_configs()["demo_cpu"]
+    monkeypatch.chdir(tmp_path)  # outside the checkout
+    assert resolve_config("demo_cpu") == shipped
+    assert resolve_config("demo_cpu.yaml") == resolve_config("configs/demo_cpu.yaml") == shipped
+    own = tmp_path / "configs" / "demo_cpu.yaml"  # an existing file always wins over the name
+    own.parent.mkdir()
+    own.write_text("steps: 1\n")
+    assert resolve_config("configs/demo_cpu.yaml") == Path("configs/demo_cpu.yaml")
+    with pytest.raises(FileNotFoundError, match="shipped: demo_cpu, qwen3_14b_multihop, qwen3_30b_a3b_bfcl"):
+        resolve_config("demo_gpu")
+    with pytest.raises(FileNotFoundError):
+        resolve_config("elsewhere/demo_cpu.yaml")
+
+
+def test_saved_config_loads_back_equal(tmp_path):
+    from trace_mega.config import save_yaml
+
+    cfg = load_config(TrainConfig, {"eval": {"ks": [1, 4], "samples_per_task": 4}, "env": {"options": {"width": 3}}})
+    assert load_yaml(TrainConfig, save_yaml(cfg, tmp_path / "c.yaml")) == cfg
+
+
+def test_eval_config_ks():
+    assert load_config(TrainConfig, {"eval": {"samples_per_task": 8}}).eval.resolved_ks() == [1, 2, 4, 8]
+    assert load_config(TrainConfig, {"eval": {"samples_per_task": 6}}).eval.resolved_ks() == [1, 2, 4, 6]
+    assert load_config(TrainConfig, {"eval": {"samples_per_task": 1}}).eval.resolved_ks() == [1]
+    with pytest.raises(ConfigError, match=r"^eval\.ks: every k must be in 1\.\.4"):
+        load_config(TrainConfig, {"eval": {"samples_per_task": 4, "ks": [1, 8]}})
 
 
 def test_registry_lists_valid_names_on_error():

@@ -1,4 +1,6 @@
 """`trace-mega demo` and `eval` as a user runs them (shortened), in a real subprocess."""
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,11 @@ def test_demo_writes_a_report_comparing_uniform_and_trace(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_reports_the_success_rate(tmp_path):
-    proc = _run(["eval", "--config", "configs/demo_cpu.yaml", *SHORT, f"telemetry.out_dir={tmp_path}"])
-    assert "eval/test/reward" in proc.stdout
+def test_eval_reports_pass_at_k(tmp_path):
+    proc = _run(["eval", "--config", "demo_cpu", "--samples", "4", "--k", "1,4", "--max-tasks", "6", *SHORT,
+                 f"telemetry.out_dir={tmp_path}"])
+    assert "| test | tasks | mean@4 | pass@1 | pass@4 |" in proc.stdout and "| **all** | 6 |" in proc.stdout
+    report = json.loads((tmp_path / "eval" / "test.json").read_text())
+    row = report["rows"]["all"]
+    assert report["n"] == 4 and report["ks"] == [1, 4] and len(report["tasks"]) == 6
+    assert 0.0 <= row["pass@1"] <= row["pass@4"] <= 1.0 and row["pass@1"] == pytest.approx(row["mean@4"])

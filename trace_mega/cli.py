@@ -1,14 +1,21 @@
-"""`trace-mega demo | train | eval | bench`.
+"""`trace-mega demo | train | eval | export | bench`.
 
 * `demo`  — the embedded default: a tiny GPT policy on a learnable synthetic
   environment, on CPU, `uniform` GRPO vs `trace` at equal rollout budget, with
   a Markdown + PNG report.
-* `train --config FILE [key=value ...]` — one training run (under torchrun for
+* `train --config NAME|FILE [key=value ...]` — one training run (under torchrun for
   TP/PP/EP/DP: `torchrun --nproc-per-node 2 -m trace_mega.cli train ...`).
-* `eval --config FILE` — success rate of the current (or a checkpointed) policy.
-* `bench NAME [args]` — runs `benchmarks/bench_NAME.py` of this checkout.
-* `plan --config FILE` — per-GPU memory of the config on its cluster; exits 1
-  naming the field when it cannot fit.
+* `eval --config NAME|FILE` — pass@k, mean@n and accuracy per benchmark of the
+  current (or a checkpointed) policy, as a Markdown table and JSON.
+* `export --run DIR [--step N] --out HF_DIR` — a checkpointed run as an HF checkpoint.
+* `bench NAME [args]` — runs the shipped `bench_NAME.py`.
+* `plan --config NAME|FILE` — per-GPU memory of the config on its cluster;
+  exits 1 naming the field when it cannot fit.
+
+`--config` takes a YAML path or the name of a shipped config (`demo_cpu`,
+`qwen3_14b_multihop`, `qwen3_30b_a3b_bfcl`). The console shows the step lines,
+progress bars and warnings; library logs go to `<run dir>/<command>.log`
+(and to the console with `--verbose`).
 """
 from __future__ import annotations
 
@@ -18,26 +25,30 @@ import logging
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+log = logging.getLogger("trace_mega")
 
 
 def benchmark_names() -> list[str]:
-    """NAME of every benchmarks/bench_NAME.py of this checkout."""
-    return sorted(p.stem[len("bench_"):] for p in BENCH_DIR.glob("bench_*.py"))
+    """NAME of every shipped bench_NAME.py."""
+    from trace_mega.resources import benchmarks
+
+    return list(benchmarks())
 
 
 def load_benchmark(name: str):
-    """Import benchmarks/bench_NAME.py as module `bench_NAME` (its `main(argv) -> dict` runs it).
+    """Import the shipped bench_NAME.py as module `bench_NAME` (its `main(argv) -> dict` runs it).
 
-    benchmarks/ goes on sys.path first, as when the file runs as a script, so the
+    Its directory goes on sys.path first, as when the file runs as a script, so the
     benchmark finds its shared `harness` module.
     """
-    path = BENCH_DIR / f"bench_{name}.py"
-    if not path.is_file():
-        raise KeyError(f"unknown benchmark {name!r}; valid names: {', '.join(benchmark_names())} "
-                       f"(looked in {BENCH_DIR})")
-    if str(BENCH_DIR) not in sys.path:
-        sys.path.insert(0, str(BENCH_DIR))
+    from trace_mega.resources import benchmarks
+
+    found = benchmarks()
+    if name not in found:
+        raise KeyError(f"unknown benchmark {name!r}; valid names: {', '.join(found)}")
+    path = found[name]
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
@@ -46,6 +57,7 @@ def load_benchmark(name: str):
 
 
 def _bench(argv: list[str]) -> int:
+    """Run a shipped benchmark as `python benchmarks/bench_NAME.py ARGS` would."""
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: trace-mega bench NAME [options]; NAME is one of: {', '.join(benchmark_names())}")
         return 0 if argv else 2
@@ -58,42 +70,90 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
+def _ks(text: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", "-v", action="store_true",
+                        help="also print library logs (Megatron, transformers, vLLM) and their warnings")
+    parser = argparse.ArgumentParser(prog="trace-mega", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("demo", parents=[common], help="tiny CPU run: uniform GRPO vs TRACE at equal budget, with a report")
+    p.add_argument("--out", default="runs/demo", help="output directory of the report")
+    p.add_argument("--config", default="demo_cpu", help="base config, a shipped name or a YAML path (default: demo_cpu)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
+    p = sub.add_parser("train", parents=[common], help="train from a config")
+    p.add_argument("--config", required=True, help="a shipped config name (demo_cpu, ...) or a YAML path")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. allocation.name=uniform")
+    p = sub.add_parser("eval", parents=[common], help="pass@k / mean@n per benchmark of a config's policy "
+                                                       "(from its checkpoint if any)")
+    p.add_argument("--config", required=True, help="a shipped config name or a YAML path")
+    p.add_argument("--split", default=None, help="task split (default: eval.split)")
+    p.add_argument("--samples", type=int, default=None, help="n: samples per task (default: eval.samples_per_task)")
+    p.add_argument("--k", type=_ks, default=None, help="comma-separated k of pass@k, each <= n (default: 1, 2, 4, ..., n)")
+    p.add_argument("--max-tasks", type=int, default=None, help="evaluate only the first N tasks")
+    p.add_argument("--out", default=None, help="directory of <split>.json / <split>.md (default: <out_dir>/eval)")
+    p.add_argument("overrides", nargs="*")
+    p = sub.add_parser("export", parents=[common], help="write a checkpointed run as an HF checkpoint")
+    p.add_argument("--run", required=True, help="the run's checkpoint.dir, or its telemetry.out_dir")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--out", required=True, help="HF checkpoint directory to write")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to rebuild the model")
+    p = sub.add_parser("plan", parents=[common], help="per-GPU memory of a config on its cluster (fails naming the field)")
+    p.add_argument("--config", required=True, help="a shipped config name or a YAML path")
+    p.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="override cluster.gpus_per_node")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="override cluster.gpu_memory_gib")
+    p.add_argument("overrides", nargs="*")
+    sub.add_parser("bench", help="run the shipped benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
+    return parser
+
+
+def _eval_overrides(args: argparse.Namespace) -> list[str]:
+    extra = []
+    if args.split is not None:
+        extra.append(f"eval.split={args.split}")
+    if args.samples is not None:
+        extra.append(f"eval.samples_per_task={args.samples}")
+    if args.k is not None:
+        extra.append(f"eval.ks=[{','.join(map(str, args.k))}]")
+    if args.max_tasks is not None:
+        extra.append(f"eval.max_tasks={args.max_tasks}")
+    return args.overrides + extra
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="trace-mega", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_demo = sub.add_parser("demo", help="tiny CPU run: uniform GRPO vs TRACE at equal budget, with a report")
-    p_demo.add_argument("--out", default="runs/demo", help="output directory of the report")
-    p_demo.add_argument("--config", default=None, help="base config (default: configs/demo_cpu.yaml)")
-    p_demo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
-    p_train = sub.add_parser("train", help="train from a YAML config")
-    p_train.add_argument("--config", required=True)
-    p_train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. allocation.name=uniform")
-    p_eval = sub.add_parser("eval", help="evaluate the policy of a config (from its checkpoint if any)")
-    p_eval.add_argument("--config", required=True)
-    p_eval.add_argument("--split", default="test")
-    p_eval.add_argument("overrides", nargs="*")
-    p_plan = sub.add_parser("plan", help="per-GPU memory of a config on its cluster (fails naming the field)")
-    p_plan.add_argument("--config", required=True)
-    p_plan.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
-    p_plan.add_argument("--gpus-per-node", type=int, default=None, help="override cluster.gpus_per_node")
-    p_plan.add_argument("--gpu-memory-gib", type=float, default=None, help="override cluster.gpu_memory_gib")
-    p_plan.add_argument("overrides", nargs="*")
-    sub.add_parser("bench", help="run benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from trace_mega.logs import log_to_file, setup_logging
+
+    setup_logging(verbose=args.verbose)
     from trace_mega.config import ConfigError, TrainConfig, load_yaml
+    from trace_mega.resources import resolve_config
 
     try:
+        if args.cmd == "export":
+            from trace_mega.export import export_checkpoint
+
+            log_to_file(args.out, "export")
+            export_checkpoint(args.run, args.out, step=args.step, device=args.device)
+            return 0
+        config = resolve_config(args.config)
         if args.cmd == "demo":
             from trace_mega.demo import run_demo
 
-            run_demo(out_dir=args.out, config_path=args.config, overrides=args.overrides)
+            log_to_file(args.out, "demo")
+            run_demo(out_dir=args.out, config_path=config, overrides=args.overrides)
             return 0
-        cfg = load_yaml(TrainConfig, args.config, args.overrides)
+        cfg = load_yaml(TrainConfig, config, _eval_overrides(args) if args.cmd == "eval" else args.overrides)
         if args.cmd == "plan":
             from trace_mega.plan import format_plan, plan_memory, replace_cluster
 
@@ -102,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_memory(cfg)
             print(format_plan(cfg, plan))
             return 1 if plan.errors else 0
-    except ConfigError as exc:
-        print(f"invalid config: {exc}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"invalid config: {exc}" if isinstance(exc, ConfigError) else str(exc), file=sys.stderr)
         return 2
+    log_to_file(cfg.telemetry.out_dir, args.cmd)
     from trace_mega.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -112,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "train":
             trainer.train()
         else:
-            print(trainer.evaluate(args.split))
+            report = trainer.evaluate()
+            if report is not None:
+                out = Path(args.out) if args.out else Path(cfg.telemetry.out_dir) / "eval"
+                js, md = report.write(out, report.split)
+                print(report.markdown())
+                print(f"wrote {js} and {md}")
     finally:
         trainer.close()
     return 0

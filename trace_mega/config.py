@@ -11,7 +11,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from trace_mega.configbase import ConfigError, load_config, load_yaml, require, to_dict
+from trace_mega.configbase import ConfigError, load_config, load_yaml, require, save_yaml, to_dict
 
 def _require_registered(field_name: str, module: str, registry: str, name: str) -> Any:
     """The entry `name` of `module.registry`, or a ConfigError naming the field and the valid names.
@@ -28,8 +28,8 @@ def _require_registered(field_name: str, module: str, registry: str, name: str) 
 __all__ = [
     "AllocationConfig", "PredictorConfig", "RolloutConfig", "EnvConfig", "ModelConfig",
     "ParallelConfig", "OptimConfig", "LossConfig", "AdvantageConfig", "CreditConfig",
-    "CheckpointConfig", "TelemetryConfig", "ClusterConfig", "TrainConfig", "ConfigError", "load_config",
-    "load_yaml", "to_dict",
+    "CheckpointConfig", "TelemetryConfig", "EvalConfig", "ClusterConfig", "TrainConfig", "ConfigError",
+    "load_config", "load_yaml", "save_yaml", "to_dict",
 ]
 
 
@@ -301,6 +301,9 @@ class CheckpointConfig:
     """Save every this many steps."""
     resume: bool = True
     """Resume from the newest checkpoint in `dir` when there is one."""
+    export_hf_at_end: bool = False
+    """When training ends, write the policy as an HF checkpoint to `<telemetry.out_dir>/hf`
+    (safetensors, config.json, tokenizer, generation config; what `trace-mega export` writes)."""
 
 
 @dataclass
@@ -311,6 +314,53 @@ class TelemetryConfig:
     """Also write TensorBoard events."""
     progress_bars: bool = True
     """tqdm bars on rollout and training phases."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project to log the same scalars to (None: no W&B; needs the `wandb` extra)."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user); None: the logged-in default."""
+    wandb_run_name: Optional[str] = None
+    """W&B run name; None: W&B picks one."""
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None
+    """W&B mode; None: W&B's default (WANDB_MODE, else online). offline writes under out_dir/wandb for `wandb sync`."""
+
+
+@dataclass
+class EvalConfig:
+    split: str = "test"
+    """Task split evaluated by `trace-mega eval` and by periodic validation."""
+    samples_per_task: int = 4
+    """n: sampled rollouts per task (pass@k needs k <= n); sampling follows `rollout` (temperature, top_p)."""
+    ks: Optional[list[int]] = None
+    """The k of pass@k, each in 1..samples_per_task (None: 1, 2, 4, ... up to n, and n)."""
+    success_threshold: float = 0.5
+    """A sample counts as solved when its reward is above this (binary rewards: 1 solved, 0 not)."""
+    max_tasks: Optional[int] = None
+    """Evaluate the first this-many tasks of the split (None: all)."""
+    batch_tasks: int = 64
+    """Tasks rolled out together (bounds the engine's batch to batch_tasks * samples_per_task)."""
+    every_steps: int = 0
+    """Periodic validation during training: every this many steps and after the last (0: off).
+    Its metrics go into that step's metrics.jsonl row (eval/<split>/pass@k, ...)."""
+    seed: int = 1_000_000
+    """Sampling seed of evaluation rollouts (the same at every validation, so runs and steps compare)."""
+
+    def validate(self) -> None:
+        n = self.samples_per_task
+        require(n >= 1, "samples_per_task", "must be >= 1")
+        require(self.ks is None or all(1 <= k <= n for k in self.ks), "ks", f"every k must be in 1..{n}")
+        require(self.max_tasks is None or self.max_tasks >= 1, "max_tasks", "must be >= 1")
+        require(self.batch_tasks >= 1, "batch_tasks", "must be >= 1")
+        require(self.every_steps >= 0, "every_steps", "must be >= 0")
+
+    def resolved_ks(self) -> list[int]:
+        """The k values in force, ascending."""
+        if self.ks is not None:
+            return sorted(set(self.ks))
+        n, ks, k = self.samples_per_task, [], 1
+        while k < n:
+            ks.append(k)
+            k *= 2
+        return ks + [n]
 
 
 @dataclass
@@ -350,6 +400,7 @@ class TrainConfig:
     credit: CreditConfig = field(default_factory=CreditConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> None:

@@ -131,6 +131,14 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def save_yaml(cfg: Any, path: str | Path) -> Path:
+    """Write every field of `cfg` as YAML that `load_yaml` reads back to an equal config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
+
+
 def require(cond: bool, field: str, message: str) -> None:
     """Raise ConfigError naming `field` unless `cond` holds (use inside `validate`)."""
     if not cond:

@@ -1,6 +1,6 @@
 """`trace-mega demo`: the embedded default run, on CPU, in minutes.
 
-Trains the tiny GPT policy of `configs/demo_cpu.yaml` on the learnable
+Trains the tiny GPT policy of the shipped `demo_cpu` config on the learnable
 `synthetic_tools` environment twice from the same initialisation and seed —
 `uniform` (GRPO: random prompts, flat groups) and `trace` (predictor-guided
 root and prefix allocation) at equal rollout budget — and writes a report:
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Optional
 
 from trace_mega.config import TrainConfig, load_yaml
+from trace_mega.resources import resolve_config
 from trace_mega.telemetry import plot_curves, read_metrics
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.yaml"
 METHODS = ("uniform", "trace")
 
 
@@ -29,13 +29,13 @@ def _summary(rows: list[dict[str, float]], key: str, last: Optional[int] = None)
     return statistics.fmean(vals) if vals else float("nan")
 
 
-def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str] = None,
+def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path] = None,
              overrides: Optional[list[str]] = None) -> dict[str, dict[str, float]]:
     """Run every method of `METHODS` and write the report; returns the summary table."""
     from trace_mega.trainer import Trainer
 
     out = Path(out_dir)
-    base = load_yaml(TrainConfig, config_path or DEFAULT_CONFIG, overrides)
+    base = load_yaml(TrainConfig, config_path or resolve_config("demo_cpu"), overrides)
     runs: dict[str, list[dict[str, float]]] = {}
     seconds: dict[str, float] = {}
     for method in METHODS:

@@ -1,4 +1,4 @@
-"""Metrics sink (JSONL + TensorBoard), the per-step log line, GPU telemetry, plots.
+"""Metrics sink (JSONL + TensorBoard + Weights & Biases), the per-step log line, GPU telemetry, plots.
 
 GPU utilisation, memory and power come from nvidia-ml-py when a GPU and its
 driver are present; without them `GpuProbe` reports nothing (NVML raises
@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+if TYPE_CHECKING:
+    from trace_mega.config import TelemetryConfig
 
 log = logging.getLogger("trace_mega")
 
@@ -76,14 +80,19 @@ LOG_LINE_KEYS = [
     ("time/step_s", "{:.1f}s"),
 ]
 
+_EVAL_PASS1 = re.compile(r"^eval/[^/]+/pass@1$")
+
 
 class MetricsSink:
-    """Writes one JSON object per step to `metrics.jsonl` (and TensorBoard scalars)."""
+    """Writes one JSON object per step to `metrics.jsonl`, and the same scalars under the same
+    names to TensorBoard and (when `wandb_init` is given) a Weights & Biases run."""
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True) -> None:
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True,
+                 wandb_init: Optional[dict[str, Any]] = None) -> None:
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,11 +101,30 @@ class MetricsSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.out_dir / "tb"))
+        if wandb_init is not None:
+            try:
+                import wandb
+            except ImportError as err:
+                raise ImportError("telemetry.wandb_project needs wandb: pip install 'trace-mega[wandb]'") from err
+            # A run per launch (a resumed run starts a new W&B run: its steps restart below the last one).
+            self._wandb = wandb.init(dir=str(self.out_dir), **wandb_init)
+
+    @classmethod
+    def from_config(cls, cfg: "TelemetryConfig", run_config: dict[str, Any], *, enabled: bool = True) -> "MetricsSink":
+        """The sink `cfg` describes; `run_config` (the whole TrainConfig as a dict) is W&B's run config."""
+        wandb_init = None
+        if cfg.wandb_project:
+            wandb_init = {"project": cfg.wandb_project, "entity": cfg.wandb_entity, "name": cfg.wandb_run_name,
+                          "mode": cfg.wandb_mode, "config": run_config}
+        return cls(cfg.out_dir, tensorboard=cfg.tensorboard, enabled=enabled, wandb_init=wandb_init)
 
     def log(self, step: int, metrics: dict[str, Any], *, tag: str = "") -> str:
         """Record `metrics` of `step`; returns the human log line (also sent to the logger)."""
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not k.startswith("_")}
-        line = " | ".join(fmt.format(scalars[k]) for k, fmt in LOG_LINE_KEYS if k in scalars and math.isfinite(scalars[k]))
+        parts = [fmt.format(scalars[k]) for k, fmt in LOG_LINE_KEYS if k in scalars and math.isfinite(scalars[k])]
+        # Validation steps (eval.every_steps): pass@1 over all tasks of the split.
+        parts += [f"{k.split('/')[1]} pass@1 {v:.3f}" for k, v in scalars.items() if _EVAL_PASS1.match(k)]
+        line = " | ".join(parts)
         line = f"{tag}step {step:>4} | {line}"
         if self.enabled:
             self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
@@ -104,6 +132,8 @@ class MetricsSink:
             if self._tb is not None:
                 for k, v in scalars.items():
                     self._tb.add_scalar(k, v, step)
+            if self._wandb is not None:
+                self._wandb.log(scalars, step=step)
         log.info(line)
         return line
 
@@ -113,6 +143,9 @@ class MetricsSink:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

@@ -26,9 +26,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from trace_mega.allocation import build_allocator
-from trace_mega.config import TrainConfig, to_dict
+from trace_mega.config import TrainConfig, save_yaml, to_dict
 from trace_mega.envs import build_env
 from trace_mega.envs.react import ReactScaffold
+from trace_mega.evaluation import EvalReport, evaluate
+from trace_mega.export import policy_tokenizer, write_hf_extras
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.learner import Learner, hf_config
 from trace_mega.predictor import build_predictor, plot_reliability, predictor_samples
@@ -49,7 +51,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.env = build_env(cfg.env.name, **cfg.env.options)
         self.tasks = self.env.tasks("train")
-        self.tokenizer = self._tokenizer(cfg)
+        self.tokenizer = policy_tokenizer(cfg, self.env)
         if cfg.model.vocab_size is None:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=len(self.tokenizer)))
         elif cfg.model.hf_checkpoint is None and len(self.tokenizer) > cfg.model.vocab_size:
@@ -77,7 +79,9 @@ class Trainer:
         self.predictor = build_predictor(cfg.predictor, hidden_size=self.learner.hidden_size,
                                          vocab_size=self.learner.model_cfg.vocab_size).to(self.learner.groups.device)
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
-        self.sink = MetricsSink(cfg.telemetry.out_dir, tensorboard=cfg.telemetry.tensorboard, enabled=self.is_main)
+        self.sink = MetricsSink.from_config(cfg.telemetry, to_dict(cfg), enabled=self.is_main)
+        if self.is_main:  # the resolved config of the run (`trace-mega export --run OUT_DIR` reads it)
+            save_yaml(cfg, Path(cfg.telemetry.out_dir) / "config.yaml")
         self.gpu = GpuProbe()
         self.replay: collections.deque = collections.deque(maxlen=cfg.predictor.replay_steps - 1)
         self.step = 0
@@ -129,9 +133,12 @@ class Trainer:
             # that ignore the predictor (uniform, treepo) have none.
             self.use_fallback = (cfg.predictor.fallback_to_uniform and cfg.allocation.name in _FALLBACK
                                  and metrics.get("predictor/skill", 0.0) < 0.0)
-            self.sink.log(step, metrics, tag=f"[{allocator.name}] ")
             self.step = step + 1
+            metrics |= self._validate()
+            self.sink.log(step, metrics, tag=f"[{allocator.name}] ")
             self._maybe_checkpoint()
+        if cfg.checkpoint.export_hf_at_end:
+            self.export_hf(Path(cfg.telemetry.out_dir) / "hf")
 
     # --- components' glue -------------------------------------------------------------
     def _score(self, packed: PackedTrees, nodes: Optional[torch.Tensor]) -> torch.Tensor:
@@ -187,17 +194,6 @@ class Trainer:
                 "rollout/truncated": d["truncated_episodes"], "rollout/generate_s": d["generate_s"],
                 "rollout/tool_s": d["tool_s"]}
 
-    def _tokenizer(self, cfg: TrainConfig):
-        """The checkpoint's tokenizer, else the one the environment ships (synthetic envs)."""
-        if cfg.model.hf_checkpoint:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
-        tok = getattr(self.env, "tokenizer", None)
-        if tok is None:
-            raise ValueError(f"environment {cfg.env.name!r} ships no tokenizer: set model.hf_checkpoint")
-        return tok
-
     def _engine(self, init_dir: Optional[str]) -> Engine:
         rc = self.cfg.rollout
         if rc.engine == "torch":
@@ -240,14 +236,30 @@ class Trainer:
         self._sync_weights()
         log.info("resumed from %s at step %d", ck.dir, self.step)
 
-    # --- evaluation and teardown ------------------------------------------------------
+    # --- evaluation, export and teardown -------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, split: str = "test", samples_per_task: int = 4) -> dict[str, float]:
-        """Mean reward of `samples_per_task` rollouts per task of `split` with the current policy."""
-        tasks = self.env.tasks(split)
-        trees = share_trees(self.agent.rollout(tasks, [samples_per_task] * len(tasks), seed=10**6)
-                            if self.is_main else None)
-        return {f"eval/{split}/reward": tree_metrics(pack(trees))["reward/mean"], "eval/tasks": float(len(tasks))}
+    def evaluate(self, split: Optional[str] = None) -> Optional[EvalReport]:
+        """pass@k / mean@n per benchmark of the current policy on `split` (default `eval.split`);
+        rank 0 runs the rollouts and gets the report, the other ranks None (trace_mega/evaluation.py)."""
+        return evaluate(self.agent, self.env, self.cfg.eval, split) if self.is_main else None
+
+    def _validate(self) -> dict[str, float]:
+        """Periodic validation (`eval.every_steps`, and after the last step): this step's eval
+        metrics, the report written to `<out_dir>/eval/step_XXXXXXXX.{json,md}`."""
+        every = self.cfg.eval.every_steps
+        if not every or (self.step % every and self.step != self.cfg.steps) or not self.is_main:
+            return {}
+        report = self.evaluate()
+        report.write(Path(self.cfg.telemetry.out_dir) / "eval", f"step_{self.step:08d}")
+        return report.metrics()
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Write the policy as an HF checkpoint with tokenizer and generation config (collective)."""
+        out = self.learner.save_hf(out_dir)
+        if self.is_main:
+            write_hf_extras(out, self.cfg, self.tokenizer)
+            log.info("exported the policy at step %d to %s", self.step, out)
+        return out
 
     def close(self) -> None:
         self.sink.close()

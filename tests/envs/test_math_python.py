@@ -8,7 +8,7 @@ from trace_mega.envs.base import ToolCall
 from trace_mega.envs.math_python import (
     MathPythonEnv,
     last_boxed,
-    load_math_jsonl,
+    load_math,
     math_reward,
 )
 from trace_mega.envs.sandbox import SandboxLimits
@@ -49,15 +49,15 @@ def test_deepscaler_and_math_layouts(tmp_path):
         {"problem": "Simplify.", "solution": "First $\\boxed{1}$, finally $\\boxed{\\frac{a}{b^{2}}}$."},
         {"problem": "MATH500 row", "solution": "x", "answer": "7", "unique_id": "test/algebra/1.json"},
     ])
-    d = load_math_jsonl(deep)
+    d = load_math(deep)
     assert [t.gold_answer for t in d] == ["5", "\\frac{1}{2}"]
     assert d[0].messages[-1] == {"role": "user", "content": "What is 2+3?"}
-    m = load_math_jsonl(math)
+    m = load_math(math)
     assert [t.gold_answer for t in m] == ["4", "\\frac{a}{b^{2}}", "7"]
     assert m[0].meta["level"] == "Level 1" and m[2].task_id == "test/algebra/1.json"
     bad = _write(tmp_path / "bad.jsonl", [{"problem": "no answer", "solution": "none"}])
     with pytest.raises(ValueError, match="boxed"):
-        load_math_jsonl(bad)
+        load_math(bad)
     env = MathPythonEnv(train_path=str(math))
     assert len(env.tasks("train")) == 3 and len(env.tasks("test")) == 10
 
@@ -141,4 +141,36 @@ def test_episode_through_the_agent_loop(tmp_path):
         for leaf in tree.leaves():
             tool_node, final = (tree.nodes[n] for n in tree.path(leaf)[1:])
             assert tool_node.observation.strip() == "5050" and final.reward == reward
+    env.close()
+
+
+def test_usual_math_layouts_jsonl_json_and_parquet(tmp_path):
+    """AIME / AMC / OlympiadBench / verl-parquet field names; the source is the row's or the file's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    aime = _write(tmp_path / "aime24.jsonl", [{"id": 60, "Problem": "Find x.", "Answer": "204"}])
+    amc = tmp_path / "amc23.json"
+    amc.write_text(json.dumps({"data": [{"question": "How many?", "answer": 7.0}]}))
+    olymp = _write(tmp_path / "olympiadbench.jsonl", [{"question": "Solve.", "final_answer": ["$\\frac{1}{2}$"]}])
+    verl = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "math500", "prompt": [{"role": "user", "content": "Compute 2+2."}],
+         "reward_model": {"style": "rule", "ground_truth": "4"}},
+        {"data_source": "minerva", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Q2"}],
+         "reward_model": {"style": "rule", "ground_truth": "1"}},
+    ]), verl)
+    (a,) = load_math(aime)
+    assert (a.task_id, a.gold_answer, a.meta["source"], a.messages[-1]["content"]) == ("aime24-60", "204", "aime24", "Find x.")
+    (m,) = load_math(amc)
+    assert (m.gold_answer, m.meta["source"]) == ("7.0", "amc23")
+    (o,) = load_math(olymp)
+    assert o.gold_answer == "\\frac{1}{2}" and math_reward(o.gold_answer, "0.5") == 1.0
+    v = load_math(verl)
+    assert [(t.meta["source"], t.gold_answer, t.messages[-1]["content"]) for t in v] == [
+        ("math500", "4", "Compute 2+2."), ("minerva", "1", "Q2")]
+    with pytest.raises(ValueError, match="needs one of the fields"):
+        load_math(_write(tmp_path / "x.jsonl", [{"text": "no problem field", "answer": "1"}]))
+    env = MathPythonEnv(test_path=[str(aime), str(verl)])
+    assert [t.meta["source"] for t in env.tasks("test")] == ["aime24", "math500", "minerva"]
     env.close()

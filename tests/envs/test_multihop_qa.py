@@ -205,3 +205,18 @@ def test_two_hop_episode_through_the_agent_loop(env):
     assert "Tomas Ferreira" in first.observation and "Vallis" not in first.observation.split("[2]")[0]
     assert second.observation.startswith("[1] Tomas Ferreira:") and "Vallis" in second.observation
     assert final.reward == 1.0
+
+
+def test_parquet_and_several_benchmark_files(tmp_path):
+    """FlashRAG rows in Parquet; one file per benchmark, each task tagged with its dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    nq = tmp_path / "nq.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "test_0", "question": "q?", "golden_answers": ["a", "b"]}]), nq)
+    (t,) = load_qa(str(nq))
+    assert (t.meta["dataset"], t.meta["answers"]) == ("nq", ["a", "b"])
+    bamboo = _write(tmp_path / "bamboogle.json", [{"Question": "Who?", "Answer": "E"}], jsonl=False)
+    env = MultiHopQAEnv(test_path=[str(nq), bamboo])
+    assert [x.meta["dataset"] for x in env.tasks("test")] == ["nq", "bamboogle"]
+    assert all(x.tools[0]["function"]["name"] == "search" for x in env.tasks("test"))

@@ -189,3 +189,25 @@ def test_bench_prefix_reuse_quick_runs_and_reuse_is_exact():
     with_r, without = res["rows"]
     assert with_r["samples_identical"] and with_r["prompt_tokens"] == without["prompt_tokens"]
     assert without["cached_prefill_tokens"] == 0 and with_r["prefill_avoided_frac"] > 0.5
+
+
+def test_update_weights_fills_fused_moe_experts_from_per_expert_names(tmp_path):
+    """transformers keeps Qwen3-MoE experts fused; the learner's export (and checkpoints) name
+    them per expert. A per-expert state dict makes the engine's model equal to the saved one."""
+    from safetensors.torch import load_file
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in saved
+    torch.manual_seed(1)
+    eng = TorchEngine(transformers.AutoModelForCausalLM.from_config(cfg).eval())
+    eng.update_weights(saved.items())
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    got = dict(eng.model.named_parameters())
+    assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
+    with pytest.raises(KeyError, match="no tensor"):
+        eng.update_weights([("model.layers.0.mlp.experts.9.up_proj.weight", torch.zeros(16, 32))])

@@ -6,19 +6,24 @@ The reward is `math_verify`: the gold answer is parsed as LaTeX (wrapped in
 `\\boxed{}`), the final answer with LaTeX and plain-expression extraction (a
 `\\boxed{}` inside the answer wins), and `verify` compares them symbolically.
 
-Loaders read DeepScaler (`problem` / `answer` / `solution`) and MATH-style
-(`problem` / `solution` with the answer in the last `\\boxed{}`, optional
-`answer`) JSONL; ten problems ship in `trace_mega/data/math/problems.jsonl`.
+`load_math` reads JSONL / JSON / Parquet files in the usual layouts: DeepScaler
+(`problem` / `answer` / `solution`), MATH-style (`problem` / `solution` with
+the answer in the last `\\boxed{}`, optional `answer`), AIME / AMC / Minerva
+(`question` or `Problem` / `Answer`), OlympiadBench (`final_answer` list) and
+verl parquet (`prompt` messages, `reward_model.ground_truth`, `data_source`).
+A split may join several files (one per benchmark: AIME24, AMC23, MATH500, ...);
+each task's `meta["source"]` names its benchmark. Ten problems ship in
+`trace_mega/data/math/problems.jsonl`.
 """
 from __future__ import annotations
 
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
+from trace_mega.envs.records import as_paths, read_records
 from trace_mega.envs.sandbox import Sandbox, SandboxLimits
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "math" / "problems.jsonl"
@@ -69,32 +74,70 @@ def _find_all(text: str, key: str) -> list[int]:
     return out
 
 
-def load_math_jsonl(path: str | Path, source: Optional[str] = None) -> list[Task]:
-    """Tasks from a DeepScaler- or MATH-style JSONL file (layout detected per row)."""
+# Field names of the usual math files, tried in order: DeepScaler / MATH / MATH500 / AIME
+# (`problem`, `answer`), AMC / Minerva (`question`), OlympiadBench (`final_answer`, a list),
+# verl parquet (`prompt` chat messages, `reward_model.ground_truth`, `data_source`).
+PROBLEM_FIELDS = ("problem", "Problem", "question", "Question", "prompt")
+ANSWER_FIELDS = ("answer", "Answer", "final_answer", "ground_truth", "expected_answer", "target")
+ID_FIELDS = ("unique_id", "id", "ID", "idx", "problem_id")
+
+
+def _problem_text(value: Any) -> Optional[str]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # chat messages: the last user turn
+        users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+        return users[-1] if users else None
+    return None
+
+
+def _answer_text(row: dict[str, Any]) -> Optional[str]:
+    value = next((row[k] for k in ANSWER_FIELDS if row.get(k) is not None), None)
+    if value is None and isinstance(row.get("reward_model"), dict):
+        value = row["reward_model"].get("ground_truth")
+    if isinstance(value, list):  # OlympiadBench: one string per sub-answer
+        value = ", ".join(str(v) for v in value)
+    if value is None and "solution" in row:
+        value = last_boxed(row["solution"])
+    if value is None:
+        return None
+    text = str(value).strip()
+    if len(text) > 1 and text.startswith("$") and text.endswith("$"):
+        text = text.strip("$").strip()
+    return text
+
+
+def load_math(path: str | Path, source: Optional[str] = None) -> list[Task]:
+    """Tasks of a math file (JSONL / JSON / Parquet; layout detected per row, see the field lists).
+
+    `meta["source"]` (the benchmark in evaluation reports) is `source`, else the row's
+    `data_source` / `source` field, else the file name without its suffix.
+    """
     path = Path(path)
     tasks = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "problem" not in row:
-                raise ValueError(f"{path}:{n + 1}: a math row needs a 'problem' field")
-            answer = row.get("answer")
-            if answer is None and "solution" in row:
-                answer = last_boxed(row["solution"])
-            if answer is None:
-                raise ValueError(f"{path}:{n + 1}: no 'answer' and no \\boxed{{}} in 'solution'")
-            meta = {k: row[k] for k in ("level", "type", "subject", "unique_id") if k in row}
-            meta["source"] = source or path.stem
-            tasks.append(Task(
-                task_id=str(row.get("unique_id", f"{path.stem}-{n}")),
-                messages=[{"role": "system", "content": SYSTEM_PROMPT},
-                          {"role": "user", "content": row["problem"]}],
-                tools=[PYTHON_TOOL],
-                gold_answer=str(answer).strip(),
-                meta=meta,
-            ))
+    for n, row in enumerate(read_records(path)):
+        problem = next((t for t in (_problem_text(row.get(k)) for k in PROBLEM_FIELDS) if t), None)
+        if problem is None:
+            raise ValueError(f"{path}:{n + 1}: a math row needs one of the fields {', '.join(PROBLEM_FIELDS)}")
+        answer = _answer_text(row)
+        if answer is None:
+            raise ValueError(f"{path}:{n + 1}: no answer field ({', '.join(ANSWER_FIELDS)}) "
+                             "and no \\boxed{} in 'solution'")
+        meta = {k: row[k] for k in ("level", "type", "subject", "unique_id") if k in row}
+        meta["source"] = str(source or row.get("data_source") or row.get("source") or path.stem)
+        key = next((k for k in ID_FIELDS if row.get(k) is not None), None)
+        if key == "unique_id":
+            task_id = str(row[key])
+        else:
+            task_id = f"{path.stem}-{row[key] if key else n}"
+        tasks.append(Task(
+            task_id=task_id,
+            messages=[{"role": "system", "content": SYSTEM_PROMPT},
+                      {"role": "user", "content": problem}],
+            tools=[PYTHON_TOOL],
+            gold_answer=answer,
+            meta=meta,
+        ))
     return tasks
 
 
@@ -128,27 +171,28 @@ def math_reward(gold: str, final_answer: Optional[str]) -> float:
 class MathPythonEnv(Env):
     """Math problems with a sandboxed `python` tool and a math-verify reward.
 
-    `train_path` / `test_path` default to the ten shipped problems (both splits).
+    `train_path` / `test_path`: a file or a list of files (one per benchmark); both default
+    to the ten shipped problems.
     """
 
     name = "math_python"
 
     def __init__(
         self,
-        train_path: Optional[str] = None,
-        test_path: Optional[str] = None,
+        train_path: Optional[str | list[str]] = None,
+        test_path: Optional[str | list[str]] = None,
         limits: Optional[SandboxLimits] = None,
         max_workers: int = 4,
         isolation: str = "auto",
     ) -> None:
-        self.paths = {"train": Path(train_path or SHIPPED), "test": Path(test_path or SHIPPED)}
+        self.paths = {"train": as_paths(train_path or SHIPPED), "test": as_paths(test_path or SHIPPED)}
         self.sandbox = Sandbox(limits=limits, max_workers=max_workers, isolation=isolation)
         self._pool: Optional[ThreadPoolExecutor] = None
 
     def tasks(self, split: str = "train") -> list[Task]:
         if split not in self.paths:
             raise ValueError(f"unknown split {split!r}; valid: {sorted(self.paths)}")
-        return load_math_jsonl(self.paths[split])
+        return [t for path in self.paths[split] for t in load_math(path)]
 
     def step(self, state: EpisodeState, call: ToolCall) -> str:
         state.history.append(call)

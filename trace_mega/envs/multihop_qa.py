@@ -7,7 +7,7 @@ Rewards are SQuAD-normalised exact match (default, binary) or token F1 of the
 final answer against the gold answer and its aliases.
 
 Loaders map HotpotQA, 2WikiMultiHopQA, MuSiQue, Bamboogle and FlashRAG-style
-(`question` / `golden_answers`, as used by Search-R1) files, JSON or JSONL, to
+(`question` / `golden_answers`, as used by Search-R1) files, JSON, JSONL or Parquet, to
 `Task`s. Shipped for tests: `trace_mega/data/multihop/corpus.jsonl` (48 short
 passages written for the project) and `questions.jsonl` (19 two-hop bridge
 questions whose answer sits in a passage reached only through an entity named
@@ -16,7 +16,6 @@ in the first one, and 7 comparison questions needing one passage per entity).
 from __future__ import annotations
 
 import collections
-import json
 import re
 import string
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
+from trace_mega.envs.records import as_paths, read_records
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "multihop"
 SYSTEM_PROMPT = (
@@ -94,18 +94,10 @@ class Passage:
     text: str
 
 
-def _read_records(path: str | Path) -> list[dict]:
-    """Rows of a JSON list or a JSONL file."""
-    text = Path(path).read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def load_corpus(path: str | Path) -> list[Passage]:
     """Passages from JSONL with `id`/`title`/`text`, or FlashRAG's `id`/`contents` ("Title"\\ntext)."""
     passages = []
-    for n, row in enumerate(_read_records(path)):
+    for n, row in enumerate(read_records(path)):
         if "contents" in row:
             title, _, text = row["contents"].partition("\n")
             title = title.strip().strip('"')
@@ -216,7 +208,7 @@ def load_hotpotqa(path: str | Path) -> list[Task]:
     return [_task(r.get("_id", n), r["question"], [r["answer"]], "hotpotqa", type=r.get("type"),
                   level=r.get("level"), supporting_titles=sorted({t for t, _ in r.get("supporting_facts", [])}),
                   context=_context_passages(r.get("context", [])))
-            for n, r in enumerate(_read_records(path))]
+            for n, r in enumerate(read_records(path))]
 
 
 def load_2wikimultihopqa(path: str | Path) -> list[Task]:
@@ -224,13 +216,13 @@ def load_2wikimultihopqa(path: str | Path) -> list[Task]:
     return [_task(r.get("_id", n), r["question"], [r["answer"]], "2wikimultihopqa", type=r.get("type"),
                   supporting_titles=sorted({t for t, _ in r.get("supporting_facts", [])}),
                   evidences=r.get("evidences", []), context=_context_passages(r.get("context", [])))
-            for n, r in enumerate(_read_records(path))]
+            for n, r in enumerate(read_records(path))]
 
 
 def load_musique(path: str | Path) -> list[Task]:
     """MuSiQue JSONL: `id`, `question`, `answer`, `answer_aliases`, `answerable`, `paragraphs`."""
     tasks = []
-    for n, r in enumerate(_read_records(path)):
+    for n, r in enumerate(read_records(path)):
         paragraphs = r.get("paragraphs", [])
         tasks.append(_task(
             r.get("id", n), r["question"], [r["answer"], *r.get("answer_aliases", [])], "musique",
@@ -244,20 +236,23 @@ def load_musique(path: str | Path) -> list[Task]:
 def load_bamboogle(path: str | Path) -> list[Task]:
     """Bamboogle: `Question`, `Answer`."""
     return [_task(f"bamboogle-{n}", r["Question"], [r["Answer"]], "bamboogle")
-            for n, r in enumerate(_read_records(path))]
+            for n, r in enumerate(read_records(path))]
 
 
 def load_flashrag(path: str | Path) -> list[Task]:
     """FlashRAG / Search-R1 layout: `id`, `question`, `golden_answers`; also the shipped
-    layout (`question`, `answer`, optional `answer_aliases`, `type`, `supporting_titles`)."""
+    layout (`question`, `answer`, optional `answer_aliases`, `type`, `supporting_titles`).
+    The dataset is the row's `dataset` / `data_source`, else the file name (FlashRAG ships
+    one file per benchmark: `nq.jsonl`, `hotpotqa.jsonl`, ...)."""
     tasks = []
-    for n, r in enumerate(_read_records(path)):
+    for n, r in enumerate(read_records(path)):
         if "golden_answers" in r:
             answers = r["golden_answers"]
         else:
             answers = [r["answer"], *r.get("answer_aliases", [])]
         extra = {k: r[k] for k in ("type", "supporting_titles") if k in r}
-        tasks.append(_task(r.get("id", n), r["question"], answers, r.get("dataset", "flashrag"), **extra))
+        dataset = r.get("dataset") or r.get("data_source") or Path(path).stem
+        tasks.append(_task(r.get("id", n), r["question"], answers, str(dataset), **extra))
     return tasks
 
 
@@ -283,9 +278,10 @@ def detect_format(row: dict) -> str:
 
 
 def load_qa(path: str | Path, fmt: str = "auto") -> list[Task]:
-    """Tasks of a QA file; `fmt` is a `LOADERS` name or "auto" (from the first row's fields)."""
+    """Tasks of a QA file (JSON / JSONL / Parquet); `fmt` is a `LOADERS` name or "auto" (from
+    the first row's fields)."""
     if fmt == "auto":
-        rows = _read_records(path)
+        rows = read_records(path)
         if not rows:
             return []
         fmt = detect_format(rows[0])
@@ -308,7 +304,8 @@ def corpus_from_tasks(tasks: Sequence[Task]) -> list[Passage]:
 class MultiHopQAEnv(Env):
     """Search-tool QA over a local corpus.
 
-    Defaults: the shipped corpus and questions (both splits). `corpus_path`:
+    Defaults: the shipped corpus and questions (both splits); `train_path` / `test_path`
+    may list several files (one per benchmark), each loaded with `fmt`. `corpus_path`:
     a JSONL corpus; `corpus="context"` builds it from the loaded tasks' own
     context paragraphs instead. `metric`: "em" (binary reward) or "f1".
     """
@@ -317,8 +314,8 @@ class MultiHopQAEnv(Env):
 
     def __init__(
         self,
-        train_path: Optional[str] = None,
-        test_path: Optional[str] = None,
+        train_path: Optional[str | list[str]] = None,
+        test_path: Optional[str | list[str]] = None,
         fmt: str = "auto",
         corpus_path: Optional[str] = None,
         corpus: str = "file",
@@ -336,7 +333,7 @@ class MultiHopQAEnv(Env):
         if corpus not in ("file", "context"):
             raise ValueError(f"corpus must be 'file' or 'context', not {corpus!r}")
         shipped = str(DATA / "questions.jsonl")
-        self.paths = {"train": train_path or shipped, "test": test_path or shipped}
+        self.paths = {"train": as_paths(train_path or shipped), "test": as_paths(test_path or shipped)}
         self.fmt, self.corpus, self.retriever_name = fmt, corpus, retriever
         self.corpus_path = corpus_path or str(DATA / "corpus.jsonl")
         self.dense_model = dense_model
@@ -349,7 +346,7 @@ class MultiHopQAEnv(Env):
         if split not in self.paths:
             raise ValueError(f"unknown split {split!r}; valid: {sorted(self.paths)}")
         if split not in self._tasks:
-            tasks = load_qa(self.paths[split], self.fmt)
+            tasks = [t for path in self.paths[split] for t in load_qa(path, self.fmt)]
             for t in tasks:
                 t.tools = [search_tool(self.max_k)]
             self._tasks[split] = tasks

@@ -32,7 +32,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from trace_mega.learner.models import unwrap
 from trace_mega.learner.parallel import ParallelGroups
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_name"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "latest_checkpoint", "checkpoint_name",
+           "trainer_state"]
 
 _STATE_FILE = "trainer_state.json"
 
@@ -91,12 +92,13 @@ def save_checkpoint(
     tmp = root / f".tmp-{checkpoint_name(step)}"
     if groups.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir(parents=True)  # empty: megatron warns of an "incomplete checkpoint" in a non-empty dir
     dist.barrier()
     state = _sharded_state(chunks, optimizer, is_loading=False)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(state, str(tmp), content_metadata=_CONTENT_METADATA)
+    (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{groups.rank:05d}.pt")
     if groups.rank == 0:
         meta = {"step": step, "world_size": groups.world_size, **(trainer_state or {})}
@@ -122,6 +124,23 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
             return path
     done = sorted(p for p in root.glob("step_*") if (p / _STATE_FILE).exists())
     return done[-1] if done else None
+
+
+def trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The `trainer_state.json` of the checkpoint at `path` (step, world size, the run's config, ...)."""
+    return json.loads((Path(path) / _STATE_FILE).read_text())
+
+
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Load only the model weights of the checkpoint at `path` into `model` (collective).
+
+    The model may use another TP / EP layout than the saving run (megatron reshards the
+    model's sharded tensors); optimizer state and RNG are left in the checkpoint.
+    """
+    net = unwrap(model)
+    loaded = dist_checkpointing.load({"model": net.sharded_state_dict(metadata=_CONTENT_METADATA)}, str(path))
+    with torch.no_grad():
+        net.load_state_dict(loaded["model"])
 
 
 def _load_request(chunks: list[torch.nn.Module], optimizer: MegatronOptimizer) -> dict:

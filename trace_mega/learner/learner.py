@@ -73,6 +73,21 @@ def hf_config(model_cfg) -> Any:
     return Qwen3Config(**common)
 
 
+def policy_hf_config(cfg: TrainConfig, model_cfg) -> Any:
+    """The transformers config an export of the policy carries: the source checkpoint's own
+    config (its architecture and extra fields) when initialised from one, else `hf_config`'s
+    Qwen3 / Qwen3-MoE view; `architectures` and `dtype` set for loaders (transformers, vLLM)."""
+    if cfg.model.hf_checkpoint:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
+    else:
+        config = hf_config(model_cfg)
+        config.architectures = ["Qwen3MoeForCausalLM" if model_cfg.num_experts else "Qwen3ForCausalLM"]
+    config.dtype = model_cfg.params_dtype
+    return config
+
+
 class Learner:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -102,8 +117,17 @@ class Learner:
     def hidden_size(self) -> int:
         return self.model_cfg.hidden_size
 
-    def _vocab_start(self, net: torch.nn.Module) -> int:
-        return self.groups.tp_rank * output_weight(net).shape[0]
+    def _lm_head(self, net: torch.nn.Module) -> tuple[torch.Tensor, int]:
+        """This TP rank's LM-head rows of real tokens and the vocab id of its first row.
+
+        The vocabulary is padded to a multiple of the TP size; the padding rows are cut
+        off (a view, so gradients still reach the weight), so that every log-softmax
+        normalises over the true vocabulary only, as the HF model and the engines do.
+        """
+        weight = output_weight(net)  # (V_padded / tp, H)
+        start = self.groups.tp_rank * weight.shape[0]
+        real = max(0, min(weight.shape[0], unwrap(net).true_vocab_size - start))
+        return weight[:real], start
 
     def _inputs(self, packed: PackedTrees, trees: slice = slice(None)) -> tuple[torch.Tensor, ...]:
         """(1, Tp) ids and positions and the (2, 1, Tp) tree mask of `packed`'s trees `trees`,
@@ -141,21 +165,24 @@ class Learner:
         return torch.cat(out)
 
     @torch.no_grad()
-    def _reference_logprobs(self, packed: PackedTrees) -> torch.Tensor:
+    def token_logprobs(self, packed: PackedTrees, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
+        """(T,) log-probs of `packed`'s loss-mask tokens under `model` (default: the policy), 0 elsewhere."""
+        net = self.policy if model is None else model
         ids, pos, mask = self._inputs(packed)
-        hidden = forward_packed(self.reference, ids, pos, mask, output="hidden")[0, : packed.num_tokens]
-        return packed_token_logprobs(hidden, output_weight(self.reference), packed, tp_group=self.groups.pgs.tp,
-                                     vocab_start=self._vocab_start(self.reference))
+        hidden = forward_packed(net, ids, pos, mask, output="hidden")[0, : packed.num_tokens]
+        weight, start = self._lm_head(net)
+        return packed_token_logprobs(hidden, weight, packed, tp_group=self.groups.pgs.tp, vocab_start=start)
 
     @torch.no_grad()
     def probe(self, trees: Sequence[RolloutTree], tokenize: Callable[[str], list[int]], template: str) -> ProbeResult:
         """TRACE-C: ℓ̄ of the gold answer at every boundary of every tree, from the frozen reference."""
         if self.reference is None:
             raise RuntimeError("no reference model: TRACE-C needs credit.enabled at construction")
+        weight, start = self._lm_head(self.reference)
         return reference_probe(
             megatron_packed_forward(self.reference), trees, tokenize, template,
-            output_weight=output_weight(self.reference), tp_group=self.groups.pgs.tp,
-            vocab_start=self._vocab_start(self.reference), max_tokens=self.cfg.parallel.micro_batch_tokens,
+            output_weight=weight, tp_group=self.groups.pgs.tp,
+            vocab_start=start, max_tokens=self.cfg.parallel.micro_batch_tokens,
         )
 
     # --- training ------------------------------------------------------------------
@@ -198,7 +225,7 @@ class Learner:
             ids, pos, mask = self._inputs(mb)
             batch = {"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb}
             if self.reference is not None and self.cfg.loss.kl_coef > 0:
-                batch["ref_logprobs"] = self._reference_logprobs(mb)
+                batch["ref_logprobs"] = self.token_logprobs(mb, self.reference)
             batches.append(batch)
         raw = train_step(self.chunks, self.optimizer, self.scheduler, batches, self._loss_fn(unit),
                          self.groups, output="hidden")
@@ -221,8 +248,8 @@ class Learner:
             h = hidden[0, : mb.num_tokens]  # (T, H)
             # Under sequence parallelism the model's hidden-state gather already sums the
             # hidden gradient over TP in its backward; the kernel must not sum it again.
-            lp, ent = packed_token_logprobs(h, output_weight(self.chunks[0]), mb, tp_group=g.pgs.tp,
-                                            vocab_start=self._vocab_start(self.chunks[0]), with_entropy=True,
+            weight, start = self._lm_head(self.chunks[0])
+            lp, ent = packed_token_logprobs(h, weight, mb, tp_group=g.pgs.tp, vocab_start=start, with_entropy=True,
                                             reduce_grad_hidden=not self.policy.config.sequence_parallel)
             out = compute_loss(lp, mb, cfg, old_logprobs=lp.detach(), ref_logprobs=batch.get("ref_logprobs"),
                                entropy=ent)
@@ -243,7 +270,7 @@ class Learner:
 
     def save_hf(self, out_dir: str | Path) -> Path:
         """Write the policy as an HF checkpoint (safetensors + config.json); collective."""
-        save_hf(self.chunks[0], self.groups, out_dir, hf_config(self.model_cfg))
+        save_hf(self.chunks[0], self.groups, out_dir, policy_hf_config(self.cfg, self.model_cfg))
         return Path(out_dir)
 
     def save(self, root: str | Path, step: int, trainer_state: dict[str, Any]) -> Path:

@@ -253,9 +253,13 @@ class TreeGPTModel(GPTModel):
 
 def build_model(
     model: ModelConfig, parallel: ParallelConfig, pgs: ProcessGroupCollection, device: torch.device,
-    pp_rank: int, pp_size: int,
+    pp_rank: int, pp_size: int, vocab_multiple: Optional[int] = None,
 ) -> TreeGPTModel:
-    """This pipeline stage's `TreeGPTModel` on `device` (unwrapped; see optim.wrap_ddp)."""
+    """This pipeline stage's `TreeGPTModel` on `device` (unwrapped; see optim.wrap_ddp).
+
+    The vocabulary is padded to a multiple of `vocab_multiple` (default: the TP size); a
+    model that loads a checkpoint saved at another TP size pads as that run did.
+    """
     config = transformer_config(model, parallel, device)
     spec = layer_spec(model, config, device)
     n_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
@@ -263,7 +267,7 @@ def build_model(
     net = TreeGPTModel(
         config=config,
         transformer_layer_spec=block,
-        vocab_size=padded_vocab_size(model.vocab_size, parallel.tensor_model_parallel_size),
+        vocab_size=padded_vocab_size(model.vocab_size, vocab_multiple or parallel.tensor_model_parallel_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pp_rank == 0,
         post_process=pp_rank == pp_size - 1,

@@ -30,6 +30,7 @@ and learner log-probs agree at any sampling temperature.
 from __future__ import annotations
 
 import inspect
+import re
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -194,9 +195,9 @@ class TorchEngine(Engine):
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         for name, tensor in named_tensors:
-            if name not in params:
+            dst = params[name] if name in params else _fused_expert_view(params, name)
+            if dst is None:
                 raise KeyError(f"update_weights: the model has no tensor {name!r}")
-            dst = params[name]
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
             dst.copy_(tensor.to(dst.device, dst.dtype))
@@ -415,3 +416,26 @@ def _model_eos_ids(model) -> list[int]:
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fused_expert_view(params: dict[str, torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    """The slice of a fused expert tensor that the per-expert HF name `name` denotes, or None.
+
+    transformers >= 5 keeps a MoE layer's experts fused (Qwen3-MoE): `experts.gate_up_proj`
+    (E, 2I, H) holds expert e's gate rows then its up rows, `experts.down_proj` (E, H, I);
+    checkpoints (and the learner's export) name them per expert.
+    """
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    base, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+    fused = params.get(f"{base}.down_proj" if kind == "down" else f"{base}.gate_up_proj")
+    if fused is None or fused.dim() != 3 or expert >= fused.shape[0]:
+        return None
+    if kind == "down":
+        return fused[expert]
+    half = fused.shape[1] // 2
+    return fused[expert, :half] if kind == "gate" else fused[expert, half:]

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench_results"
-"""Where results go by default (bench_results/ of the checkout)."""
+RESULTS = (ROOT if (ROOT / "pyproject.toml").is_file() else Path.cwd()) / "bench_results"
+"""Where results go by default: bench_results/ of the checkout, or of the working directory
+when the benchmarks run from an installed wheel (ROOT is then the package directory)."""
 
 __all__ = ["ROOT", "RESULTS", "parser", "timeit", "timed", "print_table", "write_json", "command_line"]
 

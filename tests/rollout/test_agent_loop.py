@@ -346,7 +346,7 @@ def test_real_torch_engine_end_to_end_logprobs_match_recompute():
     behaviour log-probs stored on its generated tokens: the path IS the token
     stream the engine continued from (observations appended, nothing re-encoded).
     """
-    transformers = pytest.importorskip("transformers")
+    import transformers
     import torch
 
     from trace_mega.rollout.engines import TorchEngine

@@ -41,9 +41,6 @@ from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer
 
 log = logging.getLogger("trace_mega")
 
-# When the predictor is worse than a constant, the next step allocates without it.
-_FALLBACK = {"trace": "treepo", "trace_global": "treepo", "pcl": "uniform"}
-
 
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
@@ -72,8 +69,7 @@ class Trainer:
         sync_free = dict(check=False, max_group_size=cfg.allocation.rollouts_per_prompt_max * cfg.rollout.max_turns)
         alloc_kw = sync_free if on_gpu else {}
         self.allocator = build_allocator(cfg.allocation, **alloc_kw)
-        fallback = _FALLBACK.get(cfg.allocation.name, cfg.allocation.name)
-        self.fallback = build_allocator(dataclasses.replace(cfg.allocation, name=fallback), **alloc_kw)
+        self.fallback = self.allocator.without_predictor()
         self.predictor = build_predictor(cfg.predictor, hidden_size=self.learner.hidden_size,
                                          vocab_size=self.learner.model_cfg.vocab_size).to(self.learner.groups.device)
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
@@ -127,7 +123,7 @@ class Trainer:
             metrics |= {"alloc/fallback": float(allocator is self.fallback), "data/prompt_hash": _hash(tasks)}
             # NaN (no previous fit to compare with) never triggers the fallback; allocators
             # that ignore the predictor (uniform, treepo) have none.
-            self.use_fallback = (cfg.predictor.fallback_to_uniform and cfg.allocation.name in _FALLBACK
+            self.use_fallback = (cfg.allocation.predictor_fallback and self.allocator.uses_predictor
                                  and metrics.get("predictor/skill", 0.0) < 0.0)
             self.sink.log(step, metrics, tag=f"[{allocator.name}] ")
             self.step = step + 1

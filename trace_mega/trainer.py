@@ -29,7 +29,6 @@ from tqdm import tqdm
 from trace_mega.allocation import Allocator, build_allocator
 from trace_mega.config import TrainConfig, to_dict
 from trace_mega.envs import build_env
-from trace_mega.envs.react import ReactScaffold
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.learner import Learner, hf_config
 from trace_mega.predictor import build_predictor, plot_reliability
@@ -55,7 +54,6 @@ class Trainer:
         self.cfg = cfg
         self.learner = Learner(cfg)
         self.is_main = self.learner.groups.rank == 0
-        self.scaffold = ReactScaffold(self.tokenizer)
         engine = build_engine(EngineSetup(
             rollout=cfg.rollout, seed=cfg.seed, eos_token_ids=[self.tokenizer.eos_token_id],
             device=self.learner.groups.device, policy_config=hf_config(self.learner.model_cfg),
@@ -89,7 +87,7 @@ class Trainer:
             self.rollouts.begin_step(seed=cfg.seed * 1_000_003 + step)
             with timer("step"):
                 tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]
-                batch = StepBatch.from_prompts(step, tasks, [self.scaffold.prompt_ids(t) for t in tasks])
+                batch = StepBatch.from_prompts(step, tasks, self.rollouts.prompt_ids(tasks))
                 batch.v_root = self._predict(batch, batch.root_nodes(), allocator)                  # plan roots
                 batch.rollouts = allocator.plan_roots(batch.v_root, gen).cpu()
                 with timer("rollout"):

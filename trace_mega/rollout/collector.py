@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, Task
+from trace_mega.envs.react import ReactScaffold
 from trace_mega.learner.parallel import broadcast_trees
 from trace_mega.rollout.agent_loop import AgentLoop, RolloutStats
 from trace_mega.rollout.engines import Engine
@@ -30,6 +31,7 @@ class RolloutCollector:
     def __init__(self, env: Env, engine: Optional[Engine], tokenizer: Any, cfg: RolloutConfig, *,
                  tool_timeout_s: float) -> None:
         self.env, self.engine = env, engine
+        self.scaffold = ReactScaffold(tokenizer)
         self.agent = AgentLoop(env, engine, tokenizer, cfg, tool_timeout_s=tool_timeout_s) \
             if engine is not None else None
         self._before = RolloutStats()
@@ -38,6 +40,10 @@ class RolloutCollector:
         """Reseed the environment (a resumed run replays the same episodes) and start the step's counters."""
         self.env.reseed(seed)
         self._before = dataclasses.replace(self.agent.stats) if self.agent else RolloutStats()
+
+    def prompt_ids(self, tasks: list[Task]) -> list[list[int]]:
+        """Token ids of each task's prompt, exactly as the agent loop sends it to the engine."""
+        return [self.scaffold.prompt_ids(t) for t in tasks]
 
     def roll_out(self, batch: "StepBatch", seed: int) -> None:
         """`batch.rollouts[i]` bare rollouts of prompt i; the prompts given none leave the step."""

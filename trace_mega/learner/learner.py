@@ -190,6 +190,7 @@ class Learner:
         end = torch.cat([start[1:], torch.tensor([packed.num_tokens])])
         sizes = (end - start).tolist()
         n = max(1, math.ceil(sum(sizes) / (g.dp_size * self.cfg.parallel.micro_batch_tokens)))
+        n = min(n, max(1, packed.num_trees // g.dp_size))  # never more bins than trees: an empty one cannot run
         bins: list[list[int]] = [[] for _ in range(g.dp_size * n)]
         load = [0] * len(bins)
         for i in sorted(range(packed.num_trees), key=lambda i: -sizes[i]):

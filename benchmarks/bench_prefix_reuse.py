@@ -24,7 +24,7 @@ import tempfile
 import torch
 from harness import RESULTS, command_line, parser, print_table, timed, write_json
 
-from trace_mega.rollout.engines import ENGINES, EngineStats, SamplingParams
+from trace_mega.rollout.engines import ENGINES, SamplingParams
 
 
 def _tiny_model(args):
@@ -39,12 +39,17 @@ def _tiny_model(args):
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def _run_turns(engine, histories: list[list[int]], turns: int, args, seed: int, rng: random.Random):
-    """Advance every history by `turns` (generate, then append an observation); returns completions per turn."""
+def _run_turns(engine, histories: list[list[int]], turns: int, args, seed: int, rng: random.Random,
+               counts: dict[str, int]):
+    """Advance every history by `turns` (generate, then append an observation); returns completions per
+    turn and adds the prompt / cached / generated token counts of every request to `counts`."""
     out = []
     for t in range(turns):
         sp = SamplingParams(temperature=1.0, max_new_tokens=args.gen, seed=seed + 1000 * t)
         comps = engine.generate(histories, sp)
+        counts["prompt"] += sum(len(h) for h in histories)
+        counts["cached"] += sum(c.cached_prefix_tokens for c in comps)
+        counts["generated"] += sum(len(c.token_ids) for c in comps)
         out.append(comps)
         histories = [h + c.token_ids + [rng.randrange(args.vocab) for _ in range(args.obs)] for h, c in zip(histories, comps)]
     return histories, out
@@ -59,25 +64,24 @@ def run_workload(engine, args) -> dict:
     engine.generate(prompts[:1], SamplingParams(temperature=1.0, max_new_tokens=args.gen, seed=0))
     engine.sleep()
     engine.wake_up()
-    engine.stats = EngineStats()
+    counts = {"prompt": 0, "cached": 0, "generated": 0}
     bare_start = [p for p in prompts for _ in range(args.m)]
 
     def workload():
         # Bare rollouts, recording the history at the branch boundary.
-        node_hist, first = _run_turns(engine, bare_start, args.branch_turn, args, seed=1, rng=random.Random(1))
-        _, rest = _run_turns(engine, node_hist, args.turns - args.branch_turn, args, seed=2, rng=random.Random(2))
+        node_hist, first = _run_turns(engine, bare_start, args.branch_turn, args, 1, random.Random(1), counts)
+        _, rest = _run_turns(engine, node_hist, args.turns - args.branch_turn, args, 2, random.Random(2), counts)
         branches = [h for h in node_hist for _ in range(args.k)]
-        _, conts = _run_turns(engine, branches, args.turns - args.branch_turn, args, seed=3, rng=random.Random(3))
+        _, conts = _run_turns(engine, branches, args.turns - args.branch_turn, args, 3, random.Random(3), counts)
         return first + rest + conts
 
     turns, seconds = timed(workload)
     samples = [c.token_ids for turn in turns for c in turn]
-    s = engine.stats
     return {
-        "prompt_tokens": s.prefill_tokens + s.cached_prefill_tokens,
-        "prefill_tokens": s.prefill_tokens,
-        "cached_prefill_tokens": s.cached_prefill_tokens,
-        "generated_tokens": s.generated_tokens,
+        "prompt_tokens": counts["prompt"],
+        "prefill_tokens": counts["prompt"] - counts["cached"],
+        "cached_prefill_tokens": counts["cached"],
+        "generated_tokens": counts["generated"],
         "seconds": round(seconds, 3),
         "samples": samples,
     }

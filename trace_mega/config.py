@@ -49,6 +49,9 @@ class AllocationConfig:
     """N: mean continuation slots per bare rollout (prefix budget of prompt i is m_i * N)."""
     continuations_per_prefix_max: Optional[int] = None
     """Cap on continuations branched from one prefix (None: no cap)."""
+    predictor_fallback: bool = True
+    """When the predictor is worse than a constant on the newest trees, the next step uses the
+    allocator's predictor-free counterpart (trace, trace_global -> treepo; pcl -> uniform)."""
 
     def validate(self) -> None:
         require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
@@ -75,8 +78,6 @@ class PredictorConfig:
     """Fraction of training samples that are prefixes (rest roots); None keeps the natural mix. Logged either way."""
     calibration_bins: int = 10
     """Bins of the ECE / reliability curve."""
-    fallback_to_uniform: bool = True
-    """Fall back to uniform allocation for the next step when the predictor is worse than a constant."""
 
     def validate(self) -> None:
         require(self.lr > 0, "lr", "must be > 0")

@@ -1,4 +1,4 @@
-"""Metrics sink (JSONL + TensorBoard + Weights & Biases), the per-step log line, GPU telemetry, plots.
+"""Metrics sink (JSONL + TensorBoard + Weights & Biases), the per-step log line, GPU telemetry, tree metrics, plots.
 
 GPU utilisation, memory and power come from nvidia-ml-py when a GPU and its
 driver are present; without them `GpuProbe` reports nothing (NVML raises
@@ -15,8 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+import torch
+
 if TYPE_CHECKING:
     from trace_mega.config import TelemetryConfig
+    from trace_mega.rollout.tree import PackedTrees
 
 log = logging.getLogger("trace_mega")
 
@@ -65,6 +68,31 @@ class PhaseTimer:
             yield
         finally:
             self.seconds[f"time/{name}_s"] = self.seconds.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
+
+
+def tree_metrics(packed: "PackedTrees") -> dict[str, float]:
+    """Effective ratio and contrast counts of a step's trees (binary rewards: success = reward > 0.5)."""
+    leaf_success = (packed.leaf_reward > 0.5).float()
+    tree_of_leaf = packed.node_tree[packed.leaf_nodes]
+    n_trees = packed.num_trees
+    succ = torch.zeros(n_trees).index_add(0, tree_of_leaf, leaf_success)
+    count = torch.zeros(n_trees).index_add(0, tree_of_leaf, torch.ones_like(leaf_success))
+    active = count > 0
+    contrasted = active & (succ > 0) & (succ < count)
+    # Branch points: nodes with >= 2 children; contrasted when their leaves disagree.
+    children = torch.bincount(packed.node_parent[packed.node_parent >= 0], minlength=packed.num_nodes)
+    branch = children >= 2
+    mean = packed.node_reward_sum / packed.node_leaf_count.clamp(min=1)
+    mixed = branch & (mean > 0) & (mean < 1)
+    return {
+        "alloc/effective_ratio": float(contrasted.sum() / active.sum().clamp(min=1)),
+        "alloc/active_prompts": float(active.sum()),
+        "alloc/contrasted_prompts": float(contrasted.sum()),
+        "alloc/branch_points": float(branch.sum()),
+        "alloc/contrasted_groups": float(mixed.sum()),
+        "alloc/trajectories": float(packed.leaf_nodes.numel()),
+        "reward/mean": float(packed.leaf_reward.mean()) if packed.leaf_nodes.numel() else 0.0,
+    }
 
 
 # The keys shown on the one-line-per-step log, in order, with their format.

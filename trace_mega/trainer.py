@@ -1,20 +1,22 @@
-"""The TRACE training loop (SPEC §3.4), top to bottom in `Trainer.train`.
+"""The TRACE training loop (docs/design.md §3.4, docs/step.md), top to bottom in `Trainer.train`.
 
-One step: candidate prompts → predictor(roots) → plan_roots → bare rollouts →
-predictor(every prefix, one packed pass) → plan_prefixes → continuations from
-the chosen prefixes (prefix KV reused by the engine) → trees → predictor
-update → TRACE-C probe (when enabled) → advantages → learner step → in-memory
-weight sync to the engine.
+One step fills one `StepBatch`: plan roots (predictor on the prompts →
+`plan_roots`) → roll out (bare rollouts) → score prefixes (predictor on every
+prefix, one packed pass → `plan_prefixes`) → expand (continuations from the
+chosen prefixes; the engine reuses their KV) → credit (TRACE-C probe when
+enabled, advantages) → learn (one optimiser step; its forward leaves the
+step's hidden states) → fit predictor (on those hidden states) → sync (the
+engine gets the new weights in memory).
 
 Which allocator, advantage estimator, environment and engine run is chosen by
 name in the config; every allocator spends the same trajectory budget.
 Distributed runs (torchrun): every rank joins the model forwards (they are TP
-collectives); rank 0 owns the engine, the environment episodes and the
-allocation decisions, and broadcasts the trees.
+collectives); rank 0 hosts the engine and runs the environment episodes
+(`RolloutCollector`), every rank receives the same trees and takes the same
+allocation decisions.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import logging
@@ -22,29 +24,23 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from trace_mega.allocation import build_allocator
+from trace_mega.allocation import Allocator, build_allocator
 from trace_mega.config import TrainConfig, save_yaml, to_dict
 from trace_mega.envs import build_env
-from trace_mega.envs.react import ReactScaffold
 from trace_mega.evaluation import EvalReport, evaluate
 from trace_mega.export import policy_tokenizer, write_hf_extras
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.learner import Learner, hf_config
-from trace_mega.predictor import build_predictor, plot_reliability, predictor_samples
-from trace_mega.rollout.agent_loop import AgentLoop
-from trace_mega.rollout.engines import ENGINES, Engine, TorchEngine
-from trace_mega.rollout.tree import PackedTrees, RolloutTree, pack
+from trace_mega.predictor import build_predictor, plot_reliability
+from trace_mega.rollout.collector import RolloutCollector
+from trace_mega.rollout.engines import EngineSetup, build_engine
 from trace_mega.sampler import PromptSampler, SamplerState
-from trace_mega.step_data import prefix_candidates, share_trees, tree_metrics
-from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer
+from trace_mega.step import StepBatch
+from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer, tree_metrics
 
 log = logging.getLogger("trace_mega")
-
-# When the predictor is worse than a constant, the next step allocates without it.
-_FALLBACK = {"trace": "treepo", "trace_global": "treepo", "pcl": "uniform"}
 
 
 class Trainer:
@@ -59,23 +55,18 @@ class Trainer:
         self.cfg = cfg
         self.learner = Learner(cfg)
         self.is_main = self.learner.groups.rank == 0
-        self.scaffold = ReactScaffold(self.tokenizer)
-        # vLLM loads its first weights from a directory; a randomly initialised policy is
-        # written once (collective), every later update goes through memory.
-        init_dir = cfg.model.hf_checkpoint
-        if cfg.rollout.engine != "torch" and init_dir is None:
-            init_dir = str(self.learner.save_hf(Path(cfg.telemetry.out_dir) / "hf_init"))
-        self.engine = self._engine(init_dir) if self.is_main else None
-        self.agent = (AgentLoop(self.env, self.engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s)
-                      if self.is_main else None)
+        engine = build_engine(EngineSetup(
+            rollout=cfg.rollout, seed=cfg.seed, eos_token_ids=[self.tokenizer.eos_token_id],
+            device=self.learner.groups.device, policy_config=hf_config(self.learner.model_cfg),
+            checkpoint_dir=cfg.model.hf_checkpoint, write_checkpoint=self.learner.save_hf,
+            work_dir=Path(cfg.telemetry.out_dir), host=self.is_main))
+        self.rollouts = RolloutCollector(self.env, engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s)
         # On GPU the solvers run on the predictions' device without host syncs: no input
         # validation and a static prefix-table width (the most prefixes one prompt can have).
         on_gpu = self.learner.groups.device.type == "cuda"
         sync_free = dict(check=False, max_group_size=cfg.allocation.rollouts_per_prompt_max * cfg.rollout.max_turns)
-        alloc_kw = sync_free if on_gpu else {}
-        self.allocator = build_allocator(cfg.allocation, **alloc_kw)
-        fallback = _FALLBACK.get(cfg.allocation.name, cfg.allocation.name)
-        self.fallback = build_allocator(dataclasses.replace(cfg.allocation, name=fallback), **alloc_kw)
+        self.allocator = build_allocator(cfg.allocation, **(sync_free if on_gpu else {}))
+        self.fallback = self.allocator.without_predictor()
         self.predictor = build_predictor(cfg.predictor, hidden_size=self.learner.hidden_size,
                                          vocab_size=self.learner.model_cfg.vocab_size).to(self.learner.groups.device)
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
@@ -83,10 +74,9 @@ class Trainer:
         if self.is_main:  # the resolved config of the run (`trace-mega export --run OUT_DIR` reads it)
             save_yaml(cfg, Path(cfg.telemetry.out_dir) / "config.yaml")
         self.gpu = GpuProbe()
-        self.replay: collections.deque = collections.deque(maxlen=cfg.predictor.replay_steps - 1)
         self.step = 0
         self.use_fallback = False
-        self._sync_weights()  # the engine starts from the learner's initial weights
+        self.learner.sync_weights(self.rollouts.engine)  # the engine starts from the learner's initial weights
         self._resume()
 
     # --- the loop ------------------------------------------------------------------
@@ -96,42 +86,35 @@ class Trainer:
         for step in tqdm(steps, desc="train", disable=not (self.is_main and cfg.telemetry.progress_bars)):
             # A CPU generator: the allocators draw on the host and move the draws to v's device.
             timer, gen = PhaseTimer(), torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            stats0 = dataclasses.asdict(self.agent.stats) if self.is_main else {}
             allocator = self.fallback if self.use_fallback else self.allocator
+            self.rollouts.begin_step(seed=cfg.seed * 1_000_003 + step)
             with timer("step"):
-                tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]   # 1
-                roots = [RolloutTree(t.task_id, self.scaffold.prompt_ids(t)) for t in tasks]
-                v_root = self._score(pack(roots), None)                                                # 2
-                m = allocator.plan_roots(v_root, gen).cpu()                                            # 3
-                self.env.reseed(cfg.seed * 1_000_003 + step)
-                with timer("rollout"):                                                                  # 4
-                    trees = share_trees(self.agent.rollout(tasks, m.tolist(), seed=2 * step) if self.is_main else None)
-                bare = pack(trees)
-                cand = prefix_candidates(bare)                                                         # 5
-                v_pref = self._score(bare, cand.node)                                                  # 6
-                k = allocator.plan_prefixes(v_pref, cand.r.to(v_pref), cand.group.to(v_pref.device), m, gen)  # 7
-                with timer("expand"):                                                                   # 8
-                    if self.is_main:
-                        self.agent.expand(trees, cand.branch_points(k.cpu()), seed=2 * step + 1)
-                        AgentLoop.release(trees)
-                trees = share_trees([t for t, mi in zip(trees, m.tolist()) if mi > 0])                 # 9
-                packed = pack(trees)
-                with timer("predictor"):                                                                # 10
-                    metrics = self._fit_predictor(packed)
+                tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]
+                batch = StepBatch.from_prompts(step, tasks, self.rollouts.prompt_ids(tasks))
+                batch.v_root = self._predict(batch, batch.root_nodes(), allocator)                  # plan roots
+                batch.rollouts = allocator.plan_roots(batch.v_root, gen).cpu()
+                with timer("rollout"):
+                    self.rollouts.roll_out(batch, seed=2 * step)                                     # roll out
+                cand = batch.prefix_candidates()
+                batch.v_prefix = self._predict(batch, cand.node, allocator)                          # score prefixes
+                batch.continuations = allocator.plan_prefixes(batch.v_prefix, cand.r.to(batch.v_prefix),
+                                                              cand.group.to(batch.v_prefix.device), batch.rollouts, gen)
+                with timer("expand"):
+                    self.rollouts.expand(batch, seed=2 * step + 1)                                   # expand
                 with timer("credit"):
-                    node_ell = self._probe(trees, packed)
-                compute_advantages(packed, trees, cfg.advantage, cfg.credit, node_ell)                 # 11
-                with timer("train"):
-                    self._engine_sleep(True)  # free the engine's accelerator memory while training
-                    metrics |= self.learner.train_step(trees, packed)
-                    self._engine_sleep(False)
+                    self._credit(batch)                                                              # credit
+                with timer("train"), self.rollouts.paused():
+                    metrics = self.learner.train_step(batch)                                         # learn
+                with timer("predictor"):
+                    metrics |= self._fit_predictor(batch)                                            # fit predictor
                 with timer("weight_sync"):
-                    self._sync_weights()
-            metrics |= tree_metrics(packed) | self._rollout_metrics(stats0) | timer.seconds | self.gpu.sample()
-            metrics |= {"alloc/fallback": float(allocator is self.fallback), "data/prompt_hash": _hash(tasks)}
-            # NaN (no previous fit to compare with) never triggers the fallback; allocators
-            # that ignore the predictor (uniform, treepo) have none.
-            self.use_fallback = (cfg.predictor.fallback_to_uniform and cfg.allocation.name in _FALLBACK
+                    self.learner.sync_weights(self.rollouts.engine)                                  # sync
+            metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
+            unspent = allocator.trajectories_per_step - int(batch.rollouts.sum() + batch.continuations.sum())
+            metrics |= {"alloc/fallback": float(allocator is not self.allocator), "alloc/budget_unspent": float(unspent),
+                        "data/prompt_hash": _hash(tasks)}
+            # NaN (no previous fit to compare with) never triggers the fallback.
+            self.use_fallback = (cfg.allocation.predictor_fallback and self.allocator.uses_predictor
                                  and metrics.get("predictor/skill", 0.0) < 0.0)
             self.step = step + 1
             metrics |= self._validate()
@@ -141,21 +124,25 @@ class Trainer:
             self.export_hf(Path(cfg.telemetry.out_dir) / "hf")
 
     # --- components' glue -------------------------------------------------------------
-    def _score(self, packed: PackedTrees, nodes: Optional[torch.Tensor]) -> torch.Tensor:
-        """Predicted success of `nodes` (default: the roots) of `packed`, one batched pass."""
-        if nodes is None:
-            nodes = torch.nonzero(packed.node_parent < 0).flatten()
-        if nodes.numel() == 0:
-            return torch.zeros(0, dtype=torch.float64, device=self.learner.groups.device)
-        hidden = self.learner.hidden_states(packed) if self.predictor.needs_policy_hidden else None
-        return self.predictor.predict(packed, nodes, hidden).double()  # stays on the device for the solvers
+    def _predict(self, batch: StepBatch, nodes: torch.Tensor, allocator: Allocator) -> torch.Tensor:
+        """(S,) predicted success of `nodes` of the step's layout, on the learner's device; zeros, with
+        no forward at all, for an allocator that does not read them."""
+        if not allocator.uses_predictor or nodes.numel() == 0:
+            return torch.zeros(nodes.numel(), dtype=torch.float64, device=self.learner.groups.device)
+        if self.predictor.needs_policy_hidden:
+            self.learner.encode(batch)
+        return self.predictor.score(batch, nodes)
 
-    def _fit_predictor(self, packed: PackedTrees) -> dict[str, Any]:
-        samples = predictor_samples(packed, self.cfg.predictor.prefix_sample_fraction)
-        hidden = self.learner.hidden_states(packed) if self.predictor.needs_policy_hidden else None
-        out = self.predictor.fit(packed, samples, hidden, replay=list(self.replay))
-        if self.replay.maxlen:
-            self.replay.append((packed, samples, hidden))
+    def _credit(self, batch: StepBatch) -> None:
+        """TRACE-C probe values (when enabled) and the advantages of the step's final trees."""
+        cfg = self.cfg
+        if cfg.credit.enabled:
+            encode = lambda s: self.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+            batch.node_ell = self.learner.probe(batch, encode, cfg.credit.answer_template)
+        batch.advantages = compute_advantages(batch.packed, batch.trees, cfg.advantage, cfg.credit, batch.node_ell)
+
+    def _fit_predictor(self, batch: StepBatch) -> dict[str, Any]:
+        out = self.predictor.fit_step(batch)
         cal = out.pop("_calibration", None)
         last = self.step == self.cfg.steps - 1
         if cal is not None and self.is_main and cal.num_samples and (self.step % 10 == 0 or last):
@@ -163,48 +150,6 @@ class Trainer:
                              title=f"step {self.step}: predictor on the newest trees")
         return out
 
-    def _probe(self, trees: list[RolloutTree], packed: PackedTrees) -> Optional[torch.Tensor]:
-        if not self.cfg.credit.enabled:
-            return None
-        encode = lambda s: self.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-        return self.learner.probe(trees, encode, self.cfg.credit.answer_template).for_packed(packed)
-
-    def _engine_sleep(self, sleep: bool) -> None:
-        if self.engine is not None:
-            self.engine.sleep() if sleep else self.engine.wake_up()
-
-    def _sync_weights(self) -> None:
-        """In-memory weight update of the engine (export is collective: every rank iterates)."""
-        weights = self.learner.export_weights()
-        if self.is_main:
-            self.engine.update_weights(weights)
-        else:
-            for _ in weights:
-                pass
-
-    def _rollout_metrics(self, before: dict[str, float]) -> dict[str, float]:
-        """This step's agent-loop counters (bare rollouts + continuations)."""
-        if not self.is_main:
-            return {}
-        now = dataclasses.asdict(self.agent.stats)
-        d = {k: now[k] - before[k] for k in now}
-        return {"rollout/generated_tokens": d["generated_tokens"], "rollout/prefill_tokens_saved": d["cached_prefix_tokens"],
-                "rollout/prefix_tokens": d["prefix_tokens"], "rollout/tool_calls": d["tool_calls"],
-                "rollout/parse_errors": d["parse_errors"], "rollout/tool_timeouts": d["tool_timeouts"],
-                "rollout/truncated": d["truncated_episodes"], "rollout/generate_s": d["generate_s"],
-                "rollout/tool_s": d["tool_s"]}
-
-    def _engine(self, init_dir: Optional[str]) -> Engine:
-        rc = self.cfg.rollout
-        if rc.engine == "torch":
-            return TorchEngine(hf_config(self.learner.model_cfg), device=self.learner.groups.device,
-                               enable_prefix_caching=rc.enable_prefix_caching,
-                               eos_token_ids=[self.tokenizer.eos_token_id])
-        extra = {} if rc.kv_block_size_tokens is None else {"block_size": rc.kv_block_size_tokens}
-        return ENGINES.get(rc.engine)(init_dir, enable_prefix_caching=rc.enable_prefix_caching,
-                                      gpu_memory_utilization=rc.gpu_memory_utilization,
-                                      max_model_len=rc.max_total_tokens, seed=self.cfg.seed,
-                                      eos_token_ids=[self.tokenizer.eos_token_id], **extra)
 
     # --- checkpoints ---------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -233,7 +178,7 @@ class Trainer:
         self.use_fallback = bool(state["use_fallback"])
         pred = Path(ck.dir) / f"predictor_{self.step:08d}.pt"
         self.predictor.load_state_dict(torch.load(pred, map_location=self.learner.groups.device))
-        self._sync_weights()
+        self.learner.sync_weights(self.rollouts.engine)
         log.info("resumed from %s at step %d", ck.dir, self.step)
 
     # --- evaluation, export and teardown -------------------------------------------------
@@ -241,7 +186,7 @@ class Trainer:
     def evaluate(self, split: Optional[str] = None) -> Optional[EvalReport]:
         """pass@k / mean@n per benchmark of the current policy on `split` (default `eval.split`);
         rank 0 runs the rollouts and gets the report, the other ranks None (trace_mega/evaluation.py)."""
-        return evaluate(self.agent, self.env, self.cfg.eval, split) if self.is_main else None
+        return evaluate(self.rollouts.agent, self.env, self.cfg.eval, split) if self.is_main else None
 
     def _validate(self) -> dict[str, float]:
         """Periodic validation (`eval.every_steps`, and after the last step): this step's eval
@@ -263,10 +208,7 @@ class Trainer:
 
     def close(self) -> None:
         self.sink.close()
-        if self.agent is not None:
-            self.agent.close()
-        if self.engine is not None:
-            self.engine.close()
+        self.rollouts.close()
         self.env.close()
         from trace_mega.learner.parallel import destroy_parallel
 

@@ -108,3 +108,18 @@ def test_helpers():
     assert flat_groups(order, 0, 4).tolist() == [0, 0, 0, 0]
     b = split_budget(torch.tensor([3, 0, 2, 5]), 0.5, 5)
     assert b.tolist() == [2, 0, 1, 2] and int(b.sum()) == 5  # floors 1,0,1,2; largest fractions first
+
+
+def test_predictor_free_counterparts():
+    """What the next step runs when the predictor lost to a constant: the allocator decides."""
+    cfg = AllocationConfig(prompts_per_step=8, root_rollouts_per_step=16, rollouts_per_prompt_max=4)
+    want = {"trace": "treepo", "trace_global": "treepo", "pcl": "uniform", "treepo": "treepo", "uniform": "uniform"}
+    assert set(want) == set(ALLOCATORS.names())
+    for name, counterpart in want.items():
+        alloc = build_allocator(AllocationConfig(**{**cfg.__dict__, "name": name}), check=False, max_group_size=12)
+        free = alloc.without_predictor()
+        assert free.name == counterpart and not free.uses_predictor
+        assert alloc.uses_predictor == (counterpart != name) and (free is alloc) == (counterpart == name)
+        # Same budget and the same sync-free solver options as the allocator it stands in for.
+        assert free.trajectories_per_step == alloc.trajectories_per_step
+        assert (free.check, free.max_group_size) == (False, 12)

@@ -131,8 +131,6 @@ class ReplayEngine(Engine):
             else:
                 reason = "stop" if len(ids) < sampling.max_new_tokens else reason
             self.turns_served.setdefault(key, []).append(turn)
-            self.stats.prefill_tokens += len(prefix)
-            self.stats.generated_tokens += len(ids)
             out.append(Completion(token_ids=ids, logprobs=[replay_logprob(turn, j) for j in range(len(ids))],
                                   finish_reason=reason))
         return out

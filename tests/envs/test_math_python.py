@@ -1,5 +1,6 @@
 """math_python: loaders, math-verify reward, the python tool, concurrent episodes."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -108,7 +109,8 @@ def test_bombs_in_some_episodes_leave_the_others_intact(env):
     for i, state in enumerate(states):
         code = bombs[i // 2] if i % 2 else f"print({i} * 111)"
         items.append((state, ToolCall("python", {"code": code})))
-    observations = env.step_many(items)
+    with ThreadPoolExecutor(4) as pool:  # concurrent episodes, as the agent loop's tool pool runs them
+        observations = list(pool.map(lambda item: env.step(*item), items))
     for i, obs in enumerate(observations):
         if i % 2 == 0:
             assert obs.strip() == str(i * 111)

@@ -53,7 +53,6 @@ def test_torch_threshold_is_exact(seed):
 
 @pytest.mark.parametrize("seed,P,G", [(0, 12, 3), (1, 70, 2), (2, 5, 4)])
 def test_triton_kernel_matches_tensor_program(seed, P, G):
-    pytest.importorskip("triton")
     v, r, group, budget, flip = _instance(seed, P, G, binary=seed == 2)
     group_t, budget_t = torch.tensor(group), torch.tensor(budget)
     cap = budget_t[group_t]

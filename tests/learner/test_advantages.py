@@ -133,7 +133,8 @@ def test_packed_grpo_with_per_leaf_weights_equals_flattened_grpo():
     xs = torch.where(flat.loss_mask, x[flat.packed_index.clamp(min=0)], 0.0)
     flat_sum = (leaf_adv[:, None] * xs).sum()
     assert torch.allclose(packed_sum, flat_sum, atol=1e-5)
-    assert p.advantages is out.advantages and p.token_weight is out.token_weight
+    assert p.advantages is None and p.token_weight is None  # the layout is not modified
+    assert out.apply(p) is p and p.advantages is out.advantages and p.token_weight is out.token_weight
 
 
 def test_leaf_mean():
@@ -185,7 +186,7 @@ def test_trace_credit_composes_with_tree_by_hand():
                                                                  lookahead_turns=2, mixing="broadcast"), ell)
     assert broadcast.node_advantage.tolist() == pytest.approx(
         [0, 0.25 + ra, 0.75, -0.25 + math.log(3 / 2), -0.25, -0.25])
-    assert torch.equal(p.advantages, broadcast.advantages)  # stored in the packed batch
+    assert p.advantages is None  # returned, not stored in the layout
 
 
 def test_trace_credit_on_a_single_trajectory_matches_the_paper_formula():

@@ -126,7 +126,7 @@ def test_kl_k3_and_entropy_bonus():
 
 def _shared_batch(trees, seed=0):
     p = pack(trees)
-    compute_advantages(p, trees, AdvantageConfig(name="tree", shared_token_weight="per_leaf"))
+    compute_advantages(p, trees, AdvantageConfig(name="tree", shared_token_weight="per_leaf")).apply(p)
     g = torch.Generator().manual_seed(seed)
     old = -1.0 - torch.rand(p.num_tokens, generator=g)
     p.behaviour_logprobs = torch.where(p.loss_mask, old, 0.0)
@@ -194,7 +194,7 @@ def test_aggregation_mode_names_the_unit_of_each_loss():
 def test_once_weights_count_a_shared_token_once():
     trees = _trees()
     p = pack(trees)
-    compute_advantages(p, trees, AdvantageConfig(name="tree"))
+    compute_advantages(p, trees, AdvantageConfig(name="tree")).apply(p)
     coef = aggregation_coefficients(p, "token_mean")
     m = p.loss_mask
     assert torch.allclose(coef[m], torch.full((int(m.sum()),), 1.0 / int(m.sum())))

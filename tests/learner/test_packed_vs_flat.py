@@ -55,7 +55,7 @@ def make_trees(seed=0):
 def prepare(trees):
     """Packed batch with `tree` advantages and per_leaf token weights (the flattened-equivalent weights)."""
     p = pack(trees)
-    compute_advantages(p, trees, AdvantageConfig(name="tree", shared_token_weight="per_leaf"))
+    compute_advantages(p, trees, AdvantageConfig(name="tree", shared_token_weight="per_leaf")).apply(p)
     return p
 
 

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from trace_mega.config import PredictorConfig
@@ -66,8 +67,10 @@ def test_value_head_reads_policy_hidden_states():
     hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()  # (T, 8)
     pred = build_predictor(PredictorConfig(backend="value_head", lr=0.1, updates_per_step=50),
                            hidden_size=8, vocab_size=8)
+    assert torch.equal(pred.predict(packed, s.node, hidden), torch.full((s.node.numel(),), 0.5))  # zero head
     first = pred.fit(packed, s, hidden)
-    assert first["predictor/brier"] == first["predictor/brier"]  # 0.5 everywhere before training
+    # Calibrated on the predictions made before the update: 0.5 everywhere.
+    assert first["predictor/brier"] == pytest.approx(float(((0.5 - s.target) ** 2).mean()), abs=1e-7)
     assert abs(float(pred.predict(packed, s.node[:1], hidden)) - 0.5) > 1e-3  # it moved
     second = pred.fit(packed, s, hidden)
     assert second["predictor/brier"] < first["predictor/brier"]

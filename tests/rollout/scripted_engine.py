@@ -49,8 +49,6 @@ class ScriptedEngine(Engine):
                 if len(ids) < sampling.max_new_tokens:
                     reason = "stop"  # the script ended its turn (an EOS the engine does not emit)
             lps = [scripted_logprob(len(prefix), j) for j in range(len(ids))]
-            self.stats.prefill_tokens += len(prefix)
-            self.stats.generated_tokens += len(ids)
             out.append(Completion(token_ids=ids, logprobs=lps, finish_reason=reason))
         return out
 

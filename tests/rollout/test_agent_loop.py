@@ -11,6 +11,11 @@ from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.tree import load_jsonl, pack, save_jsonl
 
 
+def open_nodes(tree):
+    """Turn nodes that are not terminal: where continuations can branch."""
+    return [i for i, n in enumerate(tree.nodes) if i and n.reward is None]
+
+
 def cfg(**kw):
     base = dict(max_turns=6, max_new_tokens_per_turn=8, max_total_tokens=512)
     base.update(kw)
@@ -94,7 +99,7 @@ def test_bare_rollouts_batched_and_token_exact():
                                            tokenize=True, return_dict=False)
             stream = tree.prefix_token_ids(leaf)
             assert stream == list(full)[: len(stream)]
-    assert loop.last_stats.generated_tokens == sum(t.num_generated_tokens() for t in trees)
+    assert loop.last_stats.generated_tokens == sum(sum(n.loss_mask) for t in trees for n in t.nodes)
     assert loop.last_stats.episodes == 6 and loop.last_stats.successes == 6
     assert sum(t.meta.get("generated_tokens", 0) for t in trees) == loop.last_stats.generated_tokens
     assert trees[2].runtime["states"].keys() == {0}
@@ -114,7 +119,7 @@ def test_expand_restores_env_state_at_intermediate_nodes():
     path = tree.path(tree.leaves()[0])
     assert tree.nodes[path[-1]].reward == 0.0  # overshot to cell 4
     assert [tree.nodes[n].observation for n in path[1:4]] == ["at 2", "at 3", "at 4"]
-    assert tree.intermediate_nodes() == path[1:4]
+    assert open_nodes(tree) == path[1:4]
     stored = {n: dict(tree.runtime["states"][n].data) for n in path[:4]}
     engine.script = oracle(tok, thought=())
     n_calls = len(engine.calls)
@@ -148,16 +153,16 @@ def test_expand_synthetic_continuations_are_independent_and_keep_prefix_value():
     loop = AgentLoop(env, engine, tok, cfg())
     trees = loop.rollout(env.tasks(), [2] * 4, seed=0)
     for ti, tree in enumerate(trees):
-        for n in tree.intermediate_nodes():
+        for n in open_nodes(tree):
             st = tree.runtime["states"][n]
             bits = [int(tree.nodes[m].observation.split()[1]) for m in tree.path(n)[1:]]
             lo = sum(b * 2.0 ** -(k + 1) for k, b in enumerate(bits))
             assert st.data["lo"] == pytest.approx(lo) and st.data["revealed"] == len(bits)
     for tree, task in zip(trees, env.tasks()):  # the same values from the recorded observations alone
-        for n in tree.intermediate_nodes():
+        for n in open_nodes(tree):
             obs = [tree.nodes[m].observation for m in tree.path(n)[1:]]
             assert env.true_value_from_observations(task, obs) == env.true_value(tree.runtime["states"][n])
-    first = trees[0].intermediate_nodes()[0]
+    first = open_nodes(trees[0])[0]
     loop.expand(trees, [(0, first, 24)], seed=1)
     new_leaves = trees[0].leaves()[2:]
     second_bits = {trees[0].nodes[trees[0].path(leaf)[2]].observation for leaf in new_leaves}
@@ -283,7 +288,7 @@ def test_determinism_jsonl_and_packing_of_loop_trees(tmp_path):
         env = SyntheticToolsEnv(seed=11)
         loop = AgentLoop(env, ScriptedEngine(random_walker(env.tokenizer)), env.tokenizer, cfg())
         trees = loop.rollout(env.tasks()[:6], [3] * 6, seed=2)
-        picks = [(i, t.intermediate_nodes()[0], 2) for i, t in enumerate(trees) if t.intermediate_nodes()]
+        picks = [(i, open_nodes(t)[0], 2) for i, t in enumerate(trees) if open_nodes(t)]
         loop.expand(trees, picks, seed=3)
         return trees
 
@@ -305,11 +310,11 @@ def test_determinism_jsonl_and_packing_of_loop_trees(tmp_path):
     env = SyntheticToolsEnv()
     with pytest.raises(ValueError, match="keeps no environment state"):
         AgentLoop(env, ScriptedEngine(lambda p, r: []), env.tokenizer, cfg()).expand(
-            back, [(0, back[0].intermediate_nodes()[0], 1)])
+            back, [(0, open_nodes(back[0])[0], 1)])
     AgentLoop.release(a)
     with pytest.raises(ValueError, match="keeps no environment state"):
         AgentLoop(env, ScriptedEngine(lambda p, r: []), env.tokenizer, cfg()).expand(
-            a, [(0, a[0].intermediate_nodes()[0], 1)])
+            a, [(0, open_nodes(a[0])[0], 1)])
 
 
 class _Broken(ScriptedEngine):
@@ -341,7 +346,7 @@ def test_real_torch_engine_end_to_end_logprobs_match_recompute():
     behaviour log-probs stored on its generated tokens: the path IS the token
     stream the engine continued from (observations appended, nothing re-encoded).
     """
-    transformers = pytest.importorskip("transformers")
+    import transformers
     import torch
 
     from trace_mega.rollout.engines import TorchEngine
@@ -356,7 +361,7 @@ def test_real_torch_engine_end_to_end_logprobs_match_recompute():
     engine = TorchEngine(model)
     loop = AgentLoop(env, engine, tok, cfg(max_new_tokens_per_turn=4, max_turns=4, max_total_tokens=80))
     trees = loop.rollout(icefree(env)[:3], [3, 3, 3], seed=0)
-    picks = [(i, n, 2) for i, t in enumerate(trees) for n in t.intermediate_nodes()[:1]]
+    picks = [(i, n, 2) for i, t in enumerate(trees) for n in open_nodes(t)[:1]]
     assert picks, "random policy produced no intermediate node"
     loop.expand(trees, picks, seed=1)
     assert loop.stats.cached_prefix_tokens > 0  # turns and continuations reused the prefix KV
@@ -392,7 +397,7 @@ def test_compression_ratio_agent_loop_batch():
     rng = random.Random(0)
     picks = []
     for ti, tree in enumerate(trees):
-        for path in tree.paths():
+        for path in (tree.path(leaf) for leaf in tree.leaves()):
             assert len(path) == 7  # prompt + 6 turns
             picks += [(ti, rng.choice(path[1:6]), 1) for _ in range(4)]
     loop.expand(trees, picks, seed=1)

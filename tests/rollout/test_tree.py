@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_mega.rollout.tree import Node, RolloutTree, load_jsonl, pack, save_jsonl
+from trace_mega.rollout.tree import Node, RolloutTree, extend, load_jsonl, pack, save_jsonl
 
 
 def turn(gen, obs=(), lp0=-0.5, kind="tool", **kw):
@@ -35,16 +35,8 @@ def test_structure_queries_and_targets():
     assert t.leaves() == [3, 4, 6, 7]
     assert t.path(3) == [0, 1, 2, 3] and t.depth(3) == 3 and t.depth(0) == 0
     assert t.prefix_token_ids(2) == [1, 2, 3, 10, 11, 12, 20, 21, 22]
-    assert t.branch_points() == [0, 1, 5]
-    assert t.intermediate_nodes() == [1, 2, 5]
     count, total = t.descendant_stats()
     assert count == [4, 2, 1, 1, 1, 2, 1, 1] and total == [2.0, 2.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
-    # SPEC §3.1: leaves 1,1,0,0 under the root -> 0.5; a subtree of successes -> 1.
-    assert t.value_targets() == [0.5, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
-    assert t.is_contrasted()
-    assert t.leaf_rewards() == [1.0, 1.0, 0.0, 0.0]
-    assert t.paths() == [[0, 1, 2, 3], [0, 1, 4], [0, 5, 6], [0, 5, 7]]
-    assert t.num_generated_tokens() == 2 + 1 + 1 + 2 + 0 + 1 + 2
     t.validate()
 
 
@@ -59,8 +51,7 @@ def test_building_errors():
     with pytest.raises(ValueError, match="disagree"):
         Node(-1, [1, 2], [1], [0.0, 0.0])
     single = RolloutTree("p", [5])
-    assert single.leaves() == [] and not single.is_contrasted()
-    assert single.value_targets() == [None]
+    assert single.leaves() == [] and single.descendant_stats() == ([0], [0.0])
     t.nodes[7].reward = None
     with pytest.raises(ValueError, match="leaf 7"):
         t.descendant_stats()
@@ -78,7 +69,7 @@ def test_jsonl_round_trip(tmp_path):
     save_jsonl([t, other], path)
     back = load_jsonl(path)
     assert [b.to_dict() for b in back] == [t.to_dict(), other.to_dict()]
-    assert back[0].value_targets() == t.value_targets()
+    assert back[0].descendant_stats() == t.descendant_stats()
     assert back[0].runtime == {}  # transient state is never serialised
     t.nodes[1].logprobs.pop()  # an inconsistent tree is refused before anything is written
     with pytest.raises(ValueError, match="node 1"):
@@ -248,6 +239,65 @@ def test_pack_edge_cases():
     assert p.leaf_nodes.numel() == 4  # the root-only tree contributes no trajectory
     moved = p.to("cpu")
     assert torch.equal(moved.tokens, p.tokens) and moved.node_local == p.node_local
+
+
+def assert_same_layout(a, b):
+    """Every field of two PackedTrees equal (tensors: same dtype and values)."""
+    assert a.__dict__.keys() == b.__dict__.keys()
+    for k, v in a.__dict__.items():
+        w = b.__dict__[k]
+        if isinstance(v, torch.Tensor):
+            assert v.dtype == w.dtype and torch.equal(v, w), k
+        else:
+            assert v == w, k
+
+
+def grow(rng: random.Random, trees, max_paths: int = 3) -> None:
+    """Append continuations below random non-terminal nodes (what rollout / expand do)."""
+    for t in trees:
+        for _ in range(rng.randrange(0, max_paths + 1)):
+            parent = rng.choice([i for i, n in enumerate(t.nodes) if n.reward is None])
+            steps = [turn([rng.randrange(100) for _ in range(rng.randrange(0, 3))], [rng.randrange(100)] * rng.randrange(2))
+                     for _ in range(rng.randrange(1, 3))]
+            t.add_path(parent, steps, float(rng.random() < 0.5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 3))
+def test_extend_equals_a_fresh_pack(seed, num_trees):
+    rng = random.Random(seed)
+    trees = [random_tree(rng, f"t{k}") if rng.random() < 0.7 else RolloutTree(f"r{k}", [1, 2]) for k in range(num_trees)]
+    p = pack(trees)
+    grow(rng, trees)
+    grown = extend(p, trees)
+    assert_same_layout(grown, pack(trees))
+    grow(rng, trees)  # extended twice: roots -> bare rollouts -> continuations
+    assert_same_layout(extend(grown, trees), pack(trees))
+
+
+def test_extend_rejects_trees_that_did_not_only_grow():
+    t = hand_tree()
+    p = pack([t])
+    with pytest.raises(ValueError, match="holds 1 trees, got 2"):
+        extend(p, [t, hand_tree()])
+    other = RolloutTree("p0", [1, 2])  # a different prompt length at node 0
+    with pytest.raises(ValueError, match="with nodes appended"):
+        extend(p, [other])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 4))
+def test_select_equals_the_pack_of_the_subset(seed, num_trees):
+    rng = random.Random(seed)
+    trees = [random_tree(rng, f"t{k}") for k in range(num_trees)]
+    p = pack(trees)
+    keep = [i for i in range(num_trees) if rng.random() < 0.6]
+    rng.shuffle(keep)
+    sub = pack([trees[i] for i in keep])
+    assert_same_layout(p.select(keep), sub)
+    assert torch.equal(p.tokens[p.tree_tokens(keep)], sub.tokens)
+    p.advantages = torch.arange(p.num_tokens, dtype=torch.float32)  # per-token fields travel along
+    assert torch.equal(p.select(keep).advantages, p.advantages[p.tree_tokens(keep)])
 
 
 def realistic_tree(rng: random.Random, name: str, bare: int, branches: int, turns: int,

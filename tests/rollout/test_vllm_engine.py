@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402
 
 from trace_mega.learner.convert import HFCheckpoint  # noqa: E402
 from trace_mega.rollout.engines import ENGINES, SamplingParams, TorchEngine  # noqa: E402
@@ -109,14 +109,12 @@ def test_stop_tokens_end_generation(engine, models):
 
 def test_prefix_cache_hits_counted_when_branching(engine):
     prompt = list(range(200, 270))  # 70 tokens, distinct from other tests' prompts
-    before = engine.stats.cached_prefill_tokens
     (bare,) = engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
     assert bare.cached_prefix_tokens == 0
     node = prompt + bare.token_ids + [40, 41, 42]  # turn boundary: turn + observation, 81 tokens
     conts = engine.generate([node] * 4, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2))
     # The bare rollout computed KV for 70 + 7 tokens = 2 full blocks; every branch hits them.
     assert [c.cached_prefix_tokens for c in conts] == [2 * BLOCK] * 4
-    assert engine.stats.cached_prefill_tokens - before == 4 * 2 * BLOCK
 
 
 def test_seeded_samples_do_not_depend_on_batch(engine):

@@ -14,6 +14,7 @@ The interface is tensor-level, so the trainer and the simulator drive it the sam
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -69,6 +70,8 @@ class Allocator:
     name = "base"
     tree = False
     """Whether it spends continuations (tree rollouts) or puts the whole budget on roots."""
+    uses_predictor: bool = False
+    """Whether its plans read the predicted success values (else they may be all zeros)."""
 
     def __init__(self, cfg: AllocationConfig, *, check: bool = True, max_group_size: Optional[int] = None) -> None:
         """`check=False` and `max_group_size` (most candidate prefixes of one prompt) make the
@@ -97,6 +100,16 @@ class Allocator:
     def prefix_budgets(self, m: torch.Tensor) -> torch.Tensor:
         """Continuation budget per prompt, b_i ≈ m_i * N, summing to `continuation_budget`."""
         return split_budget(m, self.cfg.continuations_per_rollout, self.continuation_budget)
+
+    def without_predictor(self) -> "Allocator":
+        """The predictor-free counterpart a step uses when the predictor did worse than a constant
+        on the newest trees (`allocation.predictor_fallback`); itself for an allocator without one."""
+        return self
+
+    def _counterpart(self, name: str) -> "Allocator":
+        """Allocator `name` on the same budget and solver options."""
+        return ALLOCATORS.get(name)(dataclasses.replace(self.cfg, name=name), check=self.check,
+                                    max_group_size=self.max_group_size)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(trajectories_per_step={self.trajectories_per_step})"
@@ -127,6 +140,10 @@ class PCLAllocator(_Flat):
     """Prompt curriculum: the prompts whose predicted success is nearest 0.5, fixed group size."""
 
     name = "pcl"
+    uses_predictor = True
+
+    def without_predictor(self) -> Allocator:
+        return self._counterpart("uniform")
 
     def _order(self, v_root, generator):
         return torch.argsort((v_root.to(torch.float64) - 0.5).abs(), stable=True)
@@ -176,6 +193,7 @@ class TraceAllocator(_Tree):
 
     name = "trace"
     pool = "group"
+    uses_predictor = True
 
     def __init__(self, cfg: AllocationConfig, **kwargs) -> None:
         super().__init__(cfg, **kwargs)
@@ -185,6 +203,9 @@ class TraceAllocator(_Tree):
                              f"= {B * Mmax}; it could not spend the equal budget")
         if Mmax == 2 and M % 2:
             raise ValueError(f"{self.name}: odd root budget {M} cannot be spent with rollouts_per_prompt_max = 2")
+
+    def without_predictor(self) -> Allocator:
+        return self._counterpart("treepo")
 
     def plan_roots(self, v_root, generator=None):
         return allocate_roots(v_root, self.root_budget, self.cfg.rollouts_per_prompt_max, check=self.check)

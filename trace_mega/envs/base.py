@@ -71,6 +71,9 @@ class Env(ABC):
     """Base class of every environment: a task set plus reset / step / reward."""
 
     name: str = ""
+    tokenizer: Optional[Any] = None
+    """The policy tokenizer the environment ships (the synthetic environments' word-level one), or
+    None: the run's tokenizer then comes with `model.hf_checkpoint`."""
 
     @abstractmethod
     def tasks(self, split: str = "train") -> list[Task]:

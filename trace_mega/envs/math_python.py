@@ -18,7 +18,6 @@ each task's `meta["source"]` names its benchmark. Ten problems ship in
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -187,7 +186,6 @@ class MathPythonEnv(Env):
     ) -> None:
         self.paths = {"train": as_paths(train_path or SHIPPED), "test": as_paths(test_path or SHIPPED)}
         self.sandbox = Sandbox(limits=limits, max_workers=max_workers, isolation=isolation)
-        self._pool: Optional[ThreadPoolExecutor] = None
 
     def tasks(self, split: str = "train") -> list[Task]:
         if split not in self.paths:
@@ -203,17 +201,8 @@ class MathPythonEnv(Env):
             return "Error: the python tool needs a string argument 'code'."
         return self.sandbox.run(code).observation()
 
-    def step_many(self, items: Sequence[tuple[EpisodeState, ToolCall]]) -> list[str]:
-        """`step` for many episodes at once on a bounded pool (the sandbox's worker count)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.sandbox.max_workers, thread_name_prefix="math-step")
-        return list(self._pool.map(lambda item: self.step(*item), items))
-
     def reward(self, state: EpisodeState, final_answer: Optional[str]) -> float:
         return math_reward(state.task.gold_answer or "", final_answer)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
         self.sandbox.close()

@@ -70,7 +70,8 @@ class Advantages:
     """(N,) fp32 A(n) per node."""
 
     def apply(self, packed: PackedTrees) -> PackedTrees:
-        """Store the per-token tensors in `packed.advantages` / `packed.token_weight`."""
+        """Attach the per-token tensors to `packed` as a loss's input (`packed.advantages` /
+        `packed.token_weight`; the learner does this per micro-batch)."""
         packed.advantages = self.advantages
         packed.token_weight = self.token_weight
         return packed
@@ -218,10 +219,7 @@ def trace_credit(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: Advanta
 def compute_advantages(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig,
                        credit: Optional[CreditConfig] = None,
                        node_ell: Optional[torch.Tensor] = None) -> Advantages:
-    """The configured estimator (trace_credit over `cfg.name` when `credit.enabled`), stored in `packed`."""
+    """The configured estimator (trace_credit over `cfg.name` when `credit.enabled`); `packed` is not modified."""
     if credit is not None and credit.enabled:
-        out = trace_credit(packed, trees, cfg, credit=credit, node_ell=node_ell)
-    else:
-        out = ADVANTAGES.get(cfg.name)(packed, trees, cfg)
-    out.apply(packed)
-    return out
+        return trace_credit(packed, trees, cfg, credit=credit, node_ell=node_ell)
+    return ADVANTAGES.get(cfg.name)(packed, trees, cfg)

@@ -4,14 +4,17 @@ It owns the parallel state, the policy (megatron DDP + optimizer + LR
 schedule), the frozen reference (a copy of the initial policy, built only when
 the KL term or TRACE-C needs it), and exposes what the step loop needs:
 
-* `hidden_states(packed)` — policy final hidden states of a packed batch, for
-  the predictor's value head (one forward, no grad);
-* `probe(trees, tokenize, template)` — TRACE-C's ℓ̄ at every tool boundary from
+* `encode(batch)` — policy final hidden states of a step's layout, for the
+  predictor's value head (one forward, no grad), once per layout;
+* `probe(batch, tokenize, template)` — TRACE-C's ℓ̄ at every tool boundary from
   the reference (one packed forward per group of trees);
-* `train_step(trees, packed)` — one optimiser step on packed micro-batches of
-  whole trees, with the advantages already stored in `packed`;
-* `export_weights()` — HF-named full tensors (the in-memory weight sync to
-  rollout engines); `save` / `load` — megatron dist checkpoints.
+* `train_step(batch)` — one optimiser step on packed micro-batches of whole
+  trees with `batch.advantages`; it leaves the training forward's detached
+  hidden states (the step's pre-update weights) in `batch.hidden`, so the
+  predictor fits without another policy forward (docs/step.md);
+* `sync_weights(engine)` — the in-memory weight sync to a rollout engine (the
+  collective HF-named export runs on every rank); `save` / `load` — megatron
+  dist checkpoints.
 
 Micro-batches hold whole trees (so every group-relative quantity is local to
 one micro-batch) and are split over data-parallel ranks; each is padded to a
@@ -25,9 +28,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from trace_mega.config import TrainConfig
 from trace_mega.learner.attention import tree_attention_mask
@@ -38,8 +42,13 @@ from trace_mega.learner.losses import aggregation_mode, compute_loss, unit_count
 from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight, unwrap
 from trace_mega.learner.optim import build_optimizer, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
-from trace_mega.learner.probe import ProbeResult, megatron_packed_forward, reference_probe
-from trace_mega.rollout.tree import PackedTrees, RolloutTree, pack
+from trace_mega.learner.probe import megatron_packed_forward, reference_probe
+from trace_mega.rollout.tree import PackedTrees
+
+if TYPE_CHECKING:
+    from trace_mega.learner.advantages import Advantages
+    from trace_mega.rollout.engines import Engine
+    from trace_mega.step import StepBatch
 
 def resolve_model_config(cfg: TrainConfig):
     """The `ModelConfig` in force: from the HF checkpoint's config.json when one is given."""
@@ -164,6 +173,13 @@ class Learner:
                 first = i + 1
         return torch.cat(out)
 
+    def encode(self, batch: "StepBatch") -> torch.Tensor:
+        """`batch.hidden`: the policy's hidden states of the step's current layout (no grad),
+        computed only when no forward under the current weights has produced them yet."""
+        if batch.hidden is None:
+            batch.hidden = self.hidden_states(batch.packed)
+        return batch.hidden
+
     @torch.no_grad()
     def token_logprobs(self, packed: PackedTrees, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
         """(T,) log-probs of `packed`'s loss-mask tokens under `model` (default: the policy), 0 elsewhere."""
@@ -174,20 +190,22 @@ class Learner:
         return packed_token_logprobs(hidden, weight, packed, tp_group=self.groups.pgs.tp, vocab_start=start)
 
     @torch.no_grad()
-    def probe(self, trees: Sequence[RolloutTree], tokenize: Callable[[str], list[int]], template: str) -> ProbeResult:
-        """TRACE-C: ℓ̄ of the gold answer at every boundary of every tree, from the frozen reference."""
+    def probe(self, batch: "StepBatch", tokenize: Callable[[str], list[int]], template: str) -> torch.Tensor:
+        """TRACE-C: (N,) ℓ̄ of the gold answer at the boundary after every node of the step's layout,
+        from the frozen reference."""
         if self.reference is None:
             raise RuntimeError("no reference model: TRACE-C needs credit.enabled at construction")
         weight, start = self._lm_head(self.reference)
         return reference_probe(
-            megatron_packed_forward(self.reference), trees, tokenize, template,
+            megatron_packed_forward(self.reference), batch.trees, tokenize, template,
             output_weight=weight, tp_group=self.groups.pgs.tp,
             vocab_start=start, max_tokens=self.cfg.parallel.micro_batch_tokens,
-        )
+        ).for_packed(batch.packed)
 
     # --- training ------------------------------------------------------------------
-    def _micro_batches(self, trees: Sequence[RolloutTree], packed: PackedTrees) -> list[PackedTrees]:
-        """This DP rank's micro-batches of whole trees, advantages sliced from `packed`.
+    def _micro_batches(self, packed: PackedTrees, adv: "Advantages") -> list[tuple[PackedTrees, torch.Tensor]]:
+        """This DP rank's micro-batches of whole trees cut from `packed`, each with its stream
+        indices in `packed` (T_mb,) and the slice of `adv` it trains on.
 
         Trees are placed largest first into dp * n bins (n = micro-batches per
         rank, from the token budget) by least load; rank r takes bins r::dp so
@@ -199,36 +217,42 @@ class Learner:
         end = torch.cat([start[1:], torch.tensor([packed.num_tokens])])
         sizes = (end - start).tolist()
         n = max(1, math.ceil(sum(sizes) / (g.dp_size * self.cfg.parallel.micro_batch_tokens)))
+        n = min(n, max(1, packed.num_trees // g.dp_size))  # never more bins than trees: an empty one cannot run
         bins: list[list[int]] = [[] for _ in range(g.dp_size * n)]
         load = [0] * len(bins)
-        for i in sorted(range(len(trees)), key=lambda i: -sizes[i]):
+        for i in sorted(range(packed.num_trees), key=lambda i: -sizes[i]):
             b = min(range(len(bins)), key=lambda b: load[b])
             bins[b].append(i)
             load[b] += sizes[i]
         out = []
         for b in bins[g.dp_rank:: g.dp_size]:
             b.sort()
-            mb = pack([trees[i] for i in b])
-            idx = torch.cat([torch.arange(start[i], end[i]) for i in b]) if b else torch.zeros(0, dtype=torch.long)
-            mb.advantages = packed.advantages[idx]
-            mb.token_weight = packed.token_weight[idx]
-            out.append(mb)
+            mb, idx = packed.select(b), packed.tree_tokens(b)
+            # The loss reads its per-token inputs off the micro-batch it is given.
+            mb.advantages, mb.token_weight = adv.advantages[idx], adv.token_weight[idx]
+            out.append((mb, idx))
         return out
 
-    def train_step(self, trees: Sequence[RolloutTree], packed: PackedTrees) -> dict[str, float]:
-        """One optimiser step over `trees` (whose pack `packed` carries the advantages)."""
-        if packed.advantages is None:
-            raise ValueError("run an advantage estimator on `packed` first")
+    def train_step(self, step: "StepBatch") -> dict[str, float]:
+        """One optimiser step over the step's trees with `step.advantages`; sets `step.hidden`."""
+        if step.advantages is None:
+            raise ValueError("run an advantage estimator on the step first (StepBatch.advantages)")
+        packed = step.packed
         unit = aggregation_mode(self.cfg.loss)
+        # (T, H) hidden states of the whole layout, filled by the loss of every micro-batch.
+        hidden = torch.zeros(packed.num_tokens, self.hidden_size, device=self.groups.device,
+                             dtype=getattr(torch, self.model_cfg.params_dtype))
         batches = []
-        for mb in self._micro_batches(trees, packed):
+        for mb, idx in self._micro_batches(packed, step.advantages):
             ids, pos, mask = self._inputs(mb)
-            batch = {"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb}
+            batch = {"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb,
+                     "hidden_out": (hidden, idx.to(hidden.device))}
             if self.reference is not None and self.cfg.loss.kl_coef > 0:
                 batch["ref_logprobs"] = self.token_logprobs(mb, self.reference)
             batches.append(batch)
         raw = train_step(self.chunks, self.optimizer, self.scheduler, batches, self._loss_fn(unit),
                          self.groups, output="hidden")
+        step.hidden = self._share_hidden(hidden)
         units = max(raw.pop("num_tokens"), 1e-12)
         out = {"loss/total": raw.pop("loss_sum") / units, "loss/grad_norm": raw.pop("grad_norm"),
                "loss/lr": raw.pop("lr"), "loss/skipped": raw.pop("skipped"), "loss/units": units}
@@ -240,12 +264,25 @@ class Learner:
             out[f"loss/{k.removesuffix('_sum')}"] = v / units
         return out
 
+    def _share_hidden(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """The training forward's hidden states of the whole layout on every rank: each DP rank
+        filled the rows of its own micro-batches (the others are 0, so the sum is exact); TP ranks
+        hold the same rows. None with pipeline stages (only the last one ran the loss)."""
+        if self.groups.pp_size > 1:
+            return None
+        if self.groups.dp_size > 1:
+            dist.all_reduce(hidden, group=self.groups.pgs.dp_cp)
+        return hidden
+
     def _loss_fn(self, unit: str):
         cfg, g = self.cfg.loss, self.groups
 
         def loss_fn(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
             mb: PackedTrees = batch["packed"]
             h = hidden[0, : mb.num_tokens]  # (T, H)
+            # Detached copy for the predictor: the step's hidden states under the pre-update weights.
+            out_hidden, idx = batch["hidden_out"]
+            out_hidden[idx] = h.detach().to(out_hidden.dtype)
             # Under sequence parallelism the model's hidden-state gather already sums the
             # hidden gradient over TP in its backward; the kernel must not sum it again.
             weight, start = self._lm_head(self.chunks[0])
@@ -267,6 +304,16 @@ class Learner:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of the policy (collective over TP/EP: every rank must iterate)."""
         return export_hf(self.chunks[0], self.groups)
+
+    def sync_weights(self, engine: Optional["Engine"]) -> None:
+        """Push the policy's weights into `engine` in memory. Every rank calls this (the export is
+        collective); a rank without an engine (None) runs the export and drops the tensors."""
+        weights = self.export_weights()
+        if engine is not None:
+            engine.update_weights(weights)
+        else:
+            for _ in weights:
+                pass
 
     def save_hf(self, out_dir: str | Path) -> Path:
         """Write the policy as an HF checkpoint (safetensors + config.json); collective."""

@@ -6,13 +6,15 @@ on GPU), turns on the CPU compatibility layer when the device is CPU, calls
 megatron's `initialize_model_parallel(tp, pp, ep)` and seeds megatron's RNG
 tracker. It returns a `ParallelGroups`: the ranks/sizes and megatron's
 `ProcessGroupCollection`, which the model, optimizer and step code receive as
-an argument instead of reading globals.
+an argument instead of reading globals. `broadcast_trees` hands one rank's
+rollout trees to every rank.
 """
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,8 +23,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from trace_mega.config import ParallelConfig
 from trace_mega.learner.cpu_compat import enable_cpu_compat
+from trace_mega.rollout.tree import RolloutTree
 
-__all__ = ["ParallelGroups", "init_parallel", "destroy_parallel", "resolve_device", "free_port"]
+__all__ = ["ParallelGroups", "init_parallel", "destroy_parallel", "resolve_device", "free_port", "broadcast_trees"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +122,14 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def broadcast_trees(trees: Optional[list[RolloutTree]], src: int = 0) -> list[RolloutTree]:
+    """Rank `src`'s trees (records only, not the kept env states) on every rank; pass None elsewhere."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return trees
+    payload = [[t.to_dict() for t in trees] if dist.get_rank() == src else None]
+    dist.broadcast_object_list(payload, src=src)
+    if dist.get_rank() == src:
+        return trees
+    return [RolloutTree.from_dict(d) for d in payload[0]]

@@ -11,12 +11,15 @@ Two backends behind `PREDICTORS`:
 Both score arbitrary nodes of a `PackedTrees` batch in one batched call
 (`trace_mega.kernels.boundary_scoring` gathers the boundary hidden states,
 applies the head and the sigmoid) and train online with binary cross-entropy
-on the soft targets of `targets.predictor_samples`.
+on the soft targets of `targets.predictor_samples`. On a trainer step they
+read the step record (`score`, `fit_step`): its layout and, for `value_head`,
+the policy hidden states the learner already computed for it.
 """
 from __future__ import annotations
 
+import collections
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +28,12 @@ from torch import nn
 from trace_mega.config import PredictorConfig
 from trace_mega.kernels.boundary_scoring import boundary_scores
 from trace_mega.predictor.calibration import calibration
-from trace_mega.predictor.targets import PredictorSamples
+from trace_mega.predictor.targets import PredictorSamples, predictor_samples
 from trace_mega.registry import Registry
 from trace_mega.rollout.tree import PackedTrees
+
+if TYPE_CHECKING:
+    from trace_mega.step import StepBatch
 
 
 class Predictor(ABC, nn.Module):
@@ -41,6 +47,8 @@ class Predictor(ABC, nn.Module):
         # Mean target of the previous fit: the constant predictor the guard compares with
         # (NaN before the first fit). A buffer, so it is checkpointed with the weights.
         self.register_buffer("prior_mean", torch.tensor(float("nan")))
+        # (packed, samples, hidden) of the previous replay_steps - 1 steps (not checkpointed).
+        self.replay: collections.deque = collections.deque(maxlen=cfg.replay_steps - 1)
 
     @abstractmethod
     def node_logits(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
@@ -92,6 +100,28 @@ class Predictor(ABC, nn.Module):
             "predictor/prefix_fraction": samples.prefix_fraction,
             "_calibration": cal,
         }
+
+    def score(self, batch: "StepBatch", nodes: torch.Tensor) -> torch.Tensor:
+        """(S,) float64 predicted success of `nodes` of the step's layout (on the predictions'
+        device: the allocation solvers run there)."""
+        return self.predict(batch.packed, nodes, self._step_hidden(batch)).double()
+
+    def fit_step(self, batch: "StepBatch") -> dict:
+        """`fit` on the step's final trees plus the replay window of the previous steps' batches."""
+        samples = predictor_samples(batch.packed, self.cfg.prefix_sample_fraction)
+        hidden = self._step_hidden(batch)
+        out = self.fit(batch.packed, samples, hidden, replay=list(self.replay))
+        if self.replay.maxlen:
+            self.replay.append((batch.packed, samples, hidden))
+        return out
+
+    def _step_hidden(self, batch: "StepBatch") -> Optional[torch.Tensor]:
+        if not self.needs_policy_hidden:
+            return None
+        if batch.hidden is None:
+            raise ValueError(f"{type(self).__name__} reads the policy's hidden states of the step's layout: "
+                             "run Learner.encode (or Learner.train_step) on the step first")
+        return batch.hidden
 
     def build_optimizer(self) -> None:
         self.optimizer = torch.optim.Adam(self.parameters(), lr=self.cfg.lr)

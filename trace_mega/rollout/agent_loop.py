@@ -117,6 +117,24 @@ class _ToolJob:
         return out, time.perf_counter() - t0
 
 
+@dataclass
+class _PendingTurn:
+    """A recorded turn whose episode goes on: what follows it is appended once its tools ran."""
+
+    ep: _Episode
+    gen: list[int]
+    """Generated token ids (loss 1)."""
+    logprobs: list[float]
+    """Behaviour log-probs of `gen`."""
+    parsed: ParsedTurn
+    info: dict[str, Any]
+    """The node's `info` (finish reason, counts, ...)."""
+    job: Optional[_ToolJob] = None
+    """The turn's tool calls; None after a parse error or a final answer."""
+    user: Optional[list[dict[str, Any]]] = None
+    """Multi-turn tasks: the next user message(s) that follow a final answer."""
+
+
 class AgentLoop:
     """Drive `engine` and `env` to build rollout trees (see the module docstring)."""
 
@@ -233,13 +251,13 @@ class AgentLoop:
                 if turn is not None:
                     jobs.append(turn)
             self._run_tools(jobs, stats)
-            for ep, gen, lp, parsed, info, job, user in jobs:
-                if self._attach_observation(trees[ep.tree_idx], ep, gen, lp, parsed, info, job, user, stats):
-                    live.append(ep)
+            for turn in jobs:
+                if self._attach_observation(trees[turn.ep.tree_idx], turn, stats):
+                    live.append(turn.ep)
         self.last_stats = stats
         self.stats.add(stats)
 
-    def _turn(self, tree: RolloutTree, ep: _Episode, comp: Completion, stats: RolloutStats):
+    def _turn(self, tree: RolloutTree, ep: _Episode, comp: Completion, stats: RolloutStats) -> Optional[_PendingTurn]:
         """Record one generated turn; returns the pending tool/observation work, or None when the episode ended."""
         remaining = self.cfg.max_total_tokens - len(ep.prefix)
         cap = min(self.cfg.max_new_tokens_per_turn, remaining)
@@ -276,7 +294,7 @@ class AgentLoop:
                 info["truncated"] = "max_turns"
                 self._end(tree, ep, _node(gen, lp, [], "final", parsed, info), stats)
                 return None
-            return ep, gen, lp, parsed, info, None, list(messages)
+            return _PendingTurn(ep, gen, lp, parsed, info, user=list(messages))
         if parsed.error is not None:
             stats.parse_errors += 1
             info["error"] = parsed.error
@@ -287,11 +305,11 @@ class AgentLoop:
         job = None
         if parsed.error is None:
             job = _ToolJob(self.env.step, self.env.fork(ep.state), parsed.tool_calls)
-        return ep, gen, lp, parsed, info, job, None
+        return _PendingTurn(ep, gen, lp, parsed, info, job=job)
 
-    def _run_tools(self, jobs: list, stats: RolloutStats) -> None:
+    def _run_tools(self, turns: list[_PendingTurn], stats: RolloutStats) -> None:
         """Run the wave's tool jobs on the pool, `tool_workers` at a time, each with its timeout."""
-        pending = [job for *_, job, _user in jobs if job is not None]
+        pending = [t.job for t in turns if t.job is not None]
         for at in range(0, len(pending), self.tool_workers):
             chunk = pending[at:at + self.tool_workers]
             futures = {self._pool.submit(job.run): job for job in chunk}
@@ -314,9 +332,9 @@ class AgentLoop:
                 self._pool = cf.ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
             stats.tool_calls += sum(len(j.calls) for j in chunk)
 
-    def _attach_observation(self, tree, ep, gen, lp, parsed: ParsedTurn, info, job: Optional[_ToolJob],
-                            user: Optional[list[dict[str, Any]]], stats) -> bool:
+    def _attach_observation(self, tree: RolloutTree, turn: _PendingTurn, stats: RolloutStats) -> bool:
         """Append what follows a turn (tool results, an error, or the next user turn); True when the episode goes on."""
+        ep, gen, lp, parsed, info, job, user = turn.ep, turn.gen, turn.logprobs, turn.parsed, turn.info, turn.job, turn.user
         if user is not None:
             observations = [str(m.get("content", "")) for m in user]
         elif job is None:

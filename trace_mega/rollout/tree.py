@@ -17,7 +17,7 @@ import json
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Iterable, Literal, Optional, Sequence
 
 import torch
 
@@ -114,27 +114,9 @@ class RolloutTree:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def is_leaf(self, nid: int) -> bool:
-        return not self.nodes[nid].children
-
     def leaves(self) -> list[int]:
         """Terminal nodes (the root of a tree with no rollouts is not a leaf)."""
         return [i for i, n in enumerate(self.nodes) if not n.children and i != 0]
-
-    def intermediate_nodes(self) -> list[int]:
-        """Candidate branch points of SPEC §3.3: turn nodes that are not terminal (no root, no leaf)."""
-        return [i for i, n in enumerate(self.nodes) if i != 0 and n.reward is None]
-
-    def paths(self) -> list[list[int]]:
-        """Root-to-leaf node-id paths, one per leaf, in `leaves()` order."""
-        return [self.path(leaf) for leaf in self.leaves()]
-
-    def leaf_rewards(self) -> list[float]:
-        return [float(self.nodes[i].reward) for i in self.leaves()]
-
-    def num_generated_tokens(self) -> int:
-        """Policy-generated tokens stored in the tree (each shared prefix counted once)."""
-        return sum(sum(n.loss_mask) for n in self.nodes)
 
     def path(self, nid: int) -> list[int]:
         """Local ids from the root to `nid`, inclusive."""
@@ -152,10 +134,6 @@ class RolloutTree:
         """All tokens from the prompt through node `nid` (the history H_t)."""
         return [t for i in self.path(nid) for t in self.nodes[i].token_ids]
 
-    def branch_points(self) -> list[int]:
-        """Nodes where two or more continuations start (the root included)."""
-        return [i for i, n in enumerate(self.nodes) if len(n.children) >= 2]
-
     def descendant_stats(self) -> tuple[list[int], list[float]]:
         """(leaf count, reward sum) over the terminal descendants of every node."""
         count = [0] * len(self.nodes)
@@ -171,16 +149,6 @@ class RolloutTree:
                 count[node.parent] += count[i]
                 total[node.parent] += total[i]
         return count, total
-
-    def value_targets(self) -> list[Optional[float]]:
-        """Predictor target per node: mean reward of its terminal descendants (SPEC §3.1)."""
-        count, total = self.descendant_stats()
-        return [t / c if c else None for c, t in zip(count, total)]
-
-    def is_contrasted(self) -> bool:
-        """True when the tree has at least one success leaf and one failure leaf."""
-        rewards = [self.nodes[i].reward for i in self.leaves()]
-        return any(r > 0.5 for r in rewards) and any(r <= 0.5 for r in rewards)
 
     def validate(self) -> None:
         """Check the structure; raise ValueError naming the first inconsistency."""
@@ -312,6 +280,62 @@ class PackedTrees:
         }
         return PackedTrees(**moved)
 
+    def tree_tokens(self, trees: Sequence[int]) -> torch.Tensor:
+        """(T',) stream indices of the tokens of trees `trees`, in that order (each tree's
+        tokens are one contiguous range of the stream)."""
+        trees = torch.tensor(list(trees), dtype=torch.long)
+        bounds = torch.cat([self.node_start[self.tree_node_offset[:-1]], torch.tensor([self.num_tokens])])
+        lens = (bounds[1:] - bounds[:-1])[trees]
+        first = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
+        owner = torch.repeat_interleave(torch.arange(trees.numel()), lens)
+        return torch.arange(int(lens.sum())) + (bounds[trees] - first)[owner]
+
+    def select(self, trees: Sequence[int]) -> "PackedTrees":
+        """The layout of trees `trees` alone, in that order: equal to `pack` of those trees,
+        cut from this stream with tensor ops (node and stream ids shifted per tree)."""
+        trees = torch.tensor(list(trees), dtype=torch.long)
+        off = self.tree_node_offset
+        bounds = torch.cat([self.node_start[off[:-1]], torch.tensor([self.num_tokens])])  # (B+1,) tree token ranges
+        sizes, tok_lens = (off[1:] - off[:-1])[trees], (bounds[1:] - bounds[:-1])[trees]  # (B',)
+        new_off = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        new_bounds = torch.cat([torch.zeros(1, dtype=torch.long), tok_lens.cumsum(0)])
+        node_shift, tok_shift = off[trees] - new_off[:-1], bounds[trees] - new_bounds[:-1]  # (B',)
+        k = torch.arange(trees.numel())
+        node_tree, token_tree = torch.repeat_interleave(k, sizes), torch.repeat_interleave(k, tok_lens)
+        nodes = torch.arange(int(new_off[-1])) + node_shift[node_tree]  # (N',) old ids of the kept nodes
+        toks = torch.arange(int(new_bounds[-1])) + tok_shift[token_tree]  # (T',) old stream indices
+        ns, ts = node_shift[node_tree], tok_shift[node_tree]  # per kept node
+        ns_tok, ts_tok = node_shift[token_tree], tok_shift[token_tree]  # per kept token
+        parent, prev = self.node_parent[nodes], self.prev_index[toks]
+        leaf_row = torch.full((self.num_nodes,), -1, dtype=torch.long)  # old node id -> row in leaf_nodes
+        leaf_row[self.leaf_nodes] = torch.arange(self.leaf_nodes.numel())
+        rows = leaf_row[nodes]
+        new_leaves = torch.nonzero(rows >= 0).flatten()
+        local = self.node_local
+        return PackedTrees(
+            tokens=self.tokens[toks],
+            position_ids=self.position_ids[toks],
+            token_node=self.token_node[toks] - ns_tok,
+            token_node_exit=self.token_node_exit[toks] - ns_tok,
+            prev_index=torch.where(prev >= 0, prev - ts_tok, prev),
+            loss_mask=self.loss_mask[toks],
+            behaviour_logprobs=self.behaviour_logprobs[toks],
+            node_parent=torch.where(parent >= 0, parent - ns, parent),
+            node_exit=self.node_exit[nodes] - ns,
+            node_start=self.node_start[nodes] - ts,
+            node_end=self.node_end[nodes] - ts,
+            node_tree=node_tree,
+            node_depth=self.node_depth[nodes],
+            node_leaf_count=self.node_leaf_count[nodes],
+            node_reward_sum=self.node_reward_sum[nodes],
+            node_local=[(i, local[g][1]) for i, g in zip(node_tree.tolist(), nodes.tolist())],
+            leaf_nodes=new_leaves,
+            leaf_reward=self.leaf_reward[rows[new_leaves]],
+            tree_node_offset=new_off,
+            advantages=None if self.advantages is None else self.advantages[toks],
+            token_weight=None if self.token_weight is None else self.token_weight[toks],
+        )
+
     def node_last_token(self) -> torch.Tensor:
         """(N,) stream index of the last token on the path through each node (the prefix boundary H_t).
 
@@ -381,7 +405,29 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
     buffer extends (tokens, loss mask, log-probs) or derived with tensor ops
     from per-node values (node ids, positions, previous-token indices).
     """
-    tokens, loss_mask, logprobs = array("q"), array("b"), array("d")
+    return _layout(trees, None)
+
+
+def extend(packed: PackedTrees, trees: list[RolloutTree]) -> PackedTrees:
+    """`packed`, a pack of `trees` taken before nodes were appended to them, laid out again
+    with the new nodes: equal to `pack(trees)`.
+
+    Trees only grow by appending nodes (`RolloutTree.add_node`), so the nodes
+    `packed` holds are each tree's first ones; their per-token data is gathered
+    from `packed`'s stream and only the new nodes' token lists are read.
+    Pre-order places a new node inside its ancestors' ranges, so stream and
+    node ids of the old nodes shift (a new node is never appended at the end
+    of the old stream).
+    """
+    if packed.num_trees != len(trees):
+        raise ValueError(f"extend: the layout holds {packed.num_trees} trees, got {len(trees)}")
+    return _layout(trees, packed)
+
+
+def _layout(trees: list[RolloutTree], old: Optional[PackedTrees]) -> PackedTrees:
+    """`pack(trees)`, with the tokens of the nodes `old` already holds gathered from its stream."""
+    tokens, loss_mask, logprobs = array("q"), array("b"), array("d")  # tokens read from the trees
+    node_src: list[int] = []  # where the node's tokens start in cat(old stream, tokens read)
     node_parent: list[int] = []
     node_exit: list[int] = []
     node_start: list[int] = []
@@ -396,9 +442,13 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
     leaf_nodes: list[int] = []
     leaf_reward: list[float] = []
     tree_offset = [0]
+    T = 0
+    old_T = 0 if old is None else old.num_tokens
+    old_ids, old_start, old_len = _old_nodes(old, trees)
 
     for ti, tree in enumerate(trees):
         count, rsum = tree.descendant_stats()
+        known = old_ids[ti] if old is not None else []
         # Iterative pre-order DFS; the stack holds (local id, global parent, depth,
         # last stream index on the path so far, next position id).
         stack = [(0, -1, 0, -1, 0)]
@@ -407,7 +457,15 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
             lid, gparent, depth, last, pos = stack.pop()
             node = tree.nodes[lid]
             gid = len(node_parent)
-            n = len(node.token_ids)
+            if lid < len(known):  # held by `old`: its tokens are already in the old stream
+                n = old_len[known[lid]]
+                node_src.append(old_start[known[lid]])
+            else:
+                n = len(node.token_ids)
+                node_src.append(old_T + len(tokens))
+                tokens.extend(node.token_ids)
+                loss_mask.extend(node.loss_mask)
+                logprobs.extend(node.logprobs)
             node_parent.append(gparent)
             node_exit.append(gid)
             node_tree.append(ti)
@@ -415,15 +473,13 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
             node_count.append(count[lid])
             node_rsum.append(rsum[lid])
             node_local.append((ti, lid))
-            node_start.append(len(tokens))
+            node_start.append(T)
             node_len.append(n)
             node_pos.append(pos)
             node_prev.append(last)
-            tokens.extend(node.token_ids)
-            loss_mask.extend(node.loss_mask)
-            logprobs.extend(node.logprobs)
+            T += n
             if n:
-                last, pos = len(tokens) - 1, pos + n
+                last, pos = T - 1, pos + n
             if not node.children and lid != 0:
                 leaf_nodes.append(gid)
                 leaf_reward.append(float(node.reward))
@@ -440,21 +496,28 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
     lengths = long(node_len)
     start_t = long(node_start)
     node_exit_t = long(node_exit)
-    T = len(tokens)
     # (T,) per-token values from per-node ones: a node's tokens are contiguous in the
     # stream and on its path, so within a node stream offset == position offset.
     token_node = torch.repeat_interleave(torch.arange(len(node_len)), lengths)
     stream = torch.arange(T)
     offset = stream - start_t[token_node]
     prev = torch.where(offset == 0, long(node_prev)[token_node] if T else stream, stream - 1)
+    tok = _buffer_tensor(tokens, torch.int64)
+    mask = _buffer_tensor(loss_mask, torch.int8).bool()
+    lps = _buffer_tensor(logprobs, torch.float64).float()
+    if old is not None:  # (T,) source of every token in cat(old stream, tokens read)
+        src = long(node_src)[token_node] + offset if T else stream
+        tok = torch.cat([old.tokens, tok])[src]
+        mask = torch.cat([old.loss_mask, mask])[src]
+        lps = torch.cat([old.behaviour_logprobs, lps])[src]
     return PackedTrees(
-        tokens=_buffer_tensor(tokens, torch.int64),
+        tokens=tok,
         position_ids=long(node_pos)[token_node] + offset if T else long([]),
         token_node=token_node,
         token_node_exit=node_exit_t[token_node],
         prev_index=prev,
-        loss_mask=_buffer_tensor(loss_mask, torch.int8).bool(),
-        behaviour_logprobs=_buffer_tensor(logprobs, torch.float64).float(),
+        loss_mask=mask,
+        behaviour_logprobs=lps,
         node_parent=long(node_parent),
         node_exit=node_exit_t,
         node_start=start_t,
@@ -468,3 +531,20 @@ def pack(trees: list[RolloutTree]) -> PackedTrees:
         leaf_reward=torch.tensor(leaf_reward, dtype=torch.float32),
         tree_node_offset=long(tree_offset),
     )
+
+
+def _old_nodes(old: Optional[PackedTrees], trees: list[RolloutTree]):
+    """Per tree, the global ids in `old` of its local nodes 0..c-1 (the ones `old` holds), and
+    every old node's stream start and token count; checks that the trees only grew."""
+    if old is None:
+        return [], [], []
+    ids: list[list[int]] = [[-1] * int(c) for c in (old.tree_node_offset[1:] - old.tree_node_offset[:-1]).tolist()]
+    for gid, (ti, lid) in enumerate(old.node_local):
+        ids[ti][lid] = gid
+    start, length = old.node_start.tolist(), (old.node_end - old.node_start).tolist()
+    for ti, (tree, known) in enumerate(zip(trees, ids)):
+        if len(tree.nodes) < len(known) or any(len(tree.nodes[lid].token_ids) != length[g]
+                                               for lid, g in enumerate(known)):
+            raise ValueError(f"extend: tree {ti} ({tree.prompt_id!r}) is not the tree the layout was packed "
+                             "from with nodes appended")
+    return ids, start, length

@@ -12,6 +12,7 @@ from trace_mega.config import AdvantageConfig, ModelConfig, OptimConfig, Paralle
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.learner import Learner
 from trace_mega.rollout.tree import Node, RolloutTree, pack
+from trace_mega.step import StepBatch
 
 
 def trees(vocab: int) -> list[RolloutTree]:
@@ -29,6 +30,12 @@ def trees(vocab: int) -> list[RolloutTree]:
     return out
 
 
+def step_of(i: int, batch: list[RolloutTree]) -> StepBatch:
+    step = StepBatch(i, [], batch, torch.arange(len(batch)), pack(batch))
+    step.advantages = compute_advantages(step.packed, batch, AdvantageConfig(name="tree"))
+    return step
+
+
 def main() -> None:
     hf_dir, out_json, tp, sp = sys.argv[1], sys.argv[2], int(sys.argv[3]), bool(int(sys.argv[4]))
     cfg = TrainConfig(model=ModelConfig(hf_checkpoint=hf_dir),
@@ -37,19 +44,23 @@ def main() -> None:
     learner = Learner(cfg)
     batch = trees(learner.model_cfg.vocab_size)
     steps = []
-    for _ in range(2):  # the second step sees the weights the first one wrote
-        packed = pack(batch)
-        compute_advantages(packed, batch, AdvantageConfig(name="tree"))
-        steps.append(learner.train_step(batch, packed))
+    for i in range(2):  # the second step sees the weights the first one wrote
+        steps.append(learner.train_step(step_of(i, batch)))
     hidden = learner.hidden_states(pack(batch))
     # One forward per tree (a 1-token budget) must give the same hidden states as one for all.
     learner.cfg = dataclasses.replace(learner.cfg, parallel=dataclasses.replace(learner.cfg.parallel,
                                                                                 micro_batch_tokens=1))
     chunk_diff = float((learner.hidden_states(pack(batch)) - hidden).abs().max())
+    # The next step's training forward runs under these weights: the hidden states it leaves for the
+    # predictor are the same (one micro-batch per tree here).
+    third = step_of(2, batch)
+    learner.train_step(third)
+    train_hidden_diff = float((third.hidden - hidden).abs().max())
     if learner.groups.rank == 0:
         with open(out_json, "w") as f:
             json.dump({"steps": steps, "hidden_sum": float(hidden.double().sum()),
-                       "hidden_abs": float(hidden.double().abs().sum()), "chunk_diff": chunk_diff}, f)
+                       "hidden_abs": float(hidden.double().abs().sum()), "chunk_diff": chunk_diff,
+                       "train_hidden_diff": train_hidden_diff}, f)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineStats, SamplingParams
+"""Rollout engines behind `ENGINES`; `build_engine` starts the configured one for a training run."""
+from typing import Optional
+
+from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineSetup, SamplingParams
 from trace_mega.rollout.engines.torch_engine import PrefixKVCache, TorchEngine
+from trace_mega.rollout.engines.vllm_engine import VLLMEngine  # imports vLLM only when one is constructed
 
 
-@ENGINES.register("vllm")
-def _vllm_engine(*args, **kwargs) -> Engine:
-    """Build a `VLLMEngine`; vLLM is imported only here, so the CPU main path never imports it."""
-    from trace_mega.rollout.engines.vllm_engine import VLLMEngine
-
-    return VLLMEngine(*args, **kwargs)
+def build_engine(setup: EngineSetup) -> Optional[Engine]:
+    """The engine named by `setup.rollout.engine`, started by its own `launch` (call on every rank:
+    the engine is returned on the hosting rank, None elsewhere)."""
+    return ENGINES.get(setup.rollout.engine).launch(setup)
 
 
-__all__ = ["ENGINES", "Completion", "Engine", "EngineStats", "PrefixKVCache", "SamplingParams", "TorchEngine"]
+__all__ = ["ENGINES", "Completion", "Engine", "EngineSetup", "PrefixKVCache", "SamplingParams", "TorchEngine",
+           "VLLMEngine", "build_engine"]

@@ -3,17 +3,25 @@
 Engines take token-id prefixes and return sampled continuations with their
 log-probs. Generation stops at any of `stop_token_ids` (the end of a tool call
 or of the turn), at `max_new_tokens`, or at the engine's EOS. Engines that can
-reuse the KV cache of shared prefixes (branching from a tree node) report how
-many prefill tokens they avoided.
+reuse the KV cache of shared prefixes (branching from a tree node) report per
+completion how many prefill tokens they avoided (the agent loop sums them).
+
+A training run starts its engine with `build_engine(EngineSetup)`
+(engines/__init__.py): the registered class's `launch` reads its own
+construction arguments from the setup and prepares what it needs to start
+(e.g. an HF directory of the initial weights), on every rank, and builds the
+engine on the rank that hosts it.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
 
+from trace_mega.config import RolloutConfig
 from trace_mega.registry import Registry
 
 
@@ -40,19 +48,37 @@ class Completion:
 
 
 @dataclass
-class EngineStats:
-    prefill_tokens: int = 0
-    """Prompt tokens actually prefilled."""
-    cached_prefill_tokens: int = 0
-    """Prompt tokens served from the prefix cache (prefill avoided)."""
-    generated_tokens: int = 0
+class EngineSetup:
+    """What a training run hands an engine class to start it (`Engine.launch`)."""
+
+    rollout: RolloutConfig
+    """The run's rollout config (engine name, prefix caching, vLLM memory / block size, lengths)."""
+    seed: int
+    """Run seed (engine-level default; requests carry their own seeds)."""
+    eos_token_ids: list[int]
+    """Stop tokens of the tokenizer, added to every request."""
+    device: torch.device
+    """The learner's device on this rank."""
+    policy_config: Any
+    """transformers config of the policy (an in-process engine builds its network from it)."""
+    checkpoint_dir: Optional[str]
+    """HF checkpoint the policy was initialised from, None for a random init."""
+    write_checkpoint: Callable[[Path], Path]
+    """Writes the current policy as an HF directory and returns it; collective over the learner's ranks."""
+    work_dir: Path
+    """Where an engine may write what it needs to start."""
+    host: bool
+    """Whether this rank runs the engine (the other ranks only join collective preparation)."""
 
 
 class Engine(ABC):
     """Base class of rollout engines."""
 
-    def __init__(self) -> None:
-        self.stats = EngineStats()
+    @classmethod
+    def launch(cls, setup: EngineSetup) -> Optional["Engine"]:
+        """Start this engine for a training run. Every rank calls it (preparation may be collective);
+        it returns the engine on the hosting rank (`setup.host`) and None on the others."""
+        raise TypeError(f"{cls.__name__} cannot be started from a training config (it has no `launch`)")
 
     @abstractmethod
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, SamplingParams
+from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineSetup, SamplingParams
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (key, value) of one sequence, each [kv_heads, seq, head_dim] (post-RoPE, as HF caches them)."""
@@ -156,7 +156,6 @@ class TorchEngine(Engine):
         max_batch_size: int = 32,
         eos_token_ids: Optional[list[int]] = None,
     ) -> None:
-        super().__init__()
         from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
         if isinstance(model, PreTrainedModel):
@@ -181,6 +180,15 @@ class TorchEngine(Engine):
         self.cache = PrefixKVCache(cache_max_tokens)
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _model_eos_ids(net)
         self._offloaded = False
+
+    @classmethod
+    def launch(cls, setup: EngineSetup) -> Optional["TorchEngine"]:
+        """In the learner's process and device, a network built from the policy's config (its
+        weights come with the first `update_weights`)."""
+        if not setup.host:
+            return None
+        return cls(setup.policy_config, device=setup.device, enable_prefix_caching=setup.rollout.enable_prefix_caching,
+                   eos_token_ids=setup.eos_token_ids)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -240,9 +248,6 @@ class TorchEngine(Engine):
         for start in range(0, len(rows), self.max_batch_size):
             for index, comp in self._decode(rows[start : start + self.max_batch_size], sampling, gens):
                 comp.cached_prefix_tokens = counted[index]
-                self.stats.cached_prefill_tokens += counted[index]
-                self.stats.prefill_tokens += len(prefixes[index]) - counted[index]
-                self.stats.generated_tokens += len(comp.token_ids)
                 out[index] = comp
         return out  # type: ignore[return-value]
 

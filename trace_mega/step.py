@@ -1,0 +1,109 @@
+"""`StepBatch`: the record one trainer step fills, stage by stage (docs/step.md).
+
+A step starts from its candidate prompts as root-only trees and ONE packed
+layout of them. The layout is extended, never re-packed from scratch, when
+the trees grow: after the bare rollouts (keeping the prompts that got any)
+and after the continuations. Every stage reads the record and fills its own
+fields: predictions and plans (TRACE-A, docs/design.md §3), the policy's
+hidden states of the current layout (computed once per layout and weights,
+and reused by the predictor), the TRACE-C probe values and the advantages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+from trace_mega.rollout.tree import PackedTrees, RolloutTree, extend, pack
+
+if TYPE_CHECKING:
+    from trace_mega.envs.base import Task
+    from trace_mega.learner.advantages import Advantages
+
+
+@dataclass
+class PrefixCandidates:
+    """Every intermediate prefix H_{i,j,t} of the bare rollouts (docs/design.md §3.3), on the step's layout."""
+
+    node: torch.Tensor
+    """(P,) global node ids in the layout of the bare trees."""
+    r: torch.Tensor
+    """(P,) outcome (0/1) of the bare rollout through the prefix."""
+    group: torch.Tensor
+    """(P,) candidate-prompt index of the prefix (indexes the per-prompt plan `StepBatch.rollouts`)."""
+    local: list[tuple[int, int]]
+    """(tree index in `StepBatch.trees`, local node id) of each candidate."""
+
+    def branch_points(self, k: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(tree, node, k) for the prefixes given k > 0 continuations."""
+        return [(t, n, int(c)) for (t, n), c in zip(self.local, k.tolist()) if c > 0]
+
+
+@dataclass
+class StepBatch:
+    """One step's prompts, trees, layout and everything computed on them."""
+
+    step: int
+    tasks: list["Task"]
+    """The B candidate prompts, in sampling order."""
+    trees: list[RolloutTree]
+    """The step's trees, one per prompt in `prompt_index` (all B until the rollout; then those given rollouts)."""
+    prompt_index: torch.Tensor
+    """(num_trees,) int64: which candidate prompt each tree belongs to."""
+    packed: PackedTrees
+    """THE layout of `trees` (docs/PACKING.md), extended as they grow."""
+    hidden: Optional[torch.Tensor] = None
+    """(T, H) policy final hidden states of `packed` under this step's (pre-update) weights, or None
+    until a forward ran on the current layout; dropped when the layout grows."""
+    v_root: Optional[torch.Tensor] = None
+    """(B,) float64 predicted success of each candidate prompt (zeros for a predictor-free allocator)."""
+    rollouts: Optional[torch.Tensor] = None
+    """(B,) int64 m_i: bare rollouts per candidate prompt."""
+    prefixes: Optional[PrefixCandidates] = None
+    v_prefix: Optional[torch.Tensor] = None
+    """(P,) float64 predicted success of each candidate prefix."""
+    continuations: Optional[torch.Tensor] = None
+    """(P,) int64 k: continuations branched from each candidate prefix."""
+    node_ell: Optional[torch.Tensor] = None
+    """(N,) TRACE-C probe ℓ̄ at the boundary after each node of the final layout (credit enabled)."""
+    advantages: Optional["Advantages"] = None
+    """Per-token advantages and loss weights (and per-node A) on the final layout."""
+
+    @classmethod
+    def from_prompts(cls, step: int, tasks: Sequence["Task"], prompt_ids: Sequence[list[int]]) -> "StepBatch":
+        """Root-only trees of the candidate prompts and their layout."""
+        trees = [RolloutTree(t.task_id, list(ids)) for t, ids in zip(tasks, prompt_ids)]
+        return cls(step, list(tasks), trees, torch.arange(len(trees)), pack(trees))
+
+    def root_nodes(self) -> torch.Tensor:
+        """(num_trees,) global ids of the roots (the prompts) in the layout."""
+        return self.packed.tree_node_offset[:-1]
+
+    def grow(self, trees: list[RolloutTree], keep: Optional[Sequence[int]] = None) -> None:
+        """The step's trees after nodes were appended: `trees[i]` is tree i grown (the same objects
+        or copies). With `keep`, only those trees stay (in that order); the layout is extended."""
+        if len(trees) != len(self.trees):
+            raise ValueError(f"grow: {len(trees)} trees for a step of {len(self.trees)}")
+        keep = list(range(len(trees))) if keep is None else [int(i) for i in keep]
+        base = self.packed if keep == list(range(len(trees))) else self.packed.select(keep)
+        self.trees = [trees[i] for i in keep]
+        self.prompt_index = self.prompt_index[torch.tensor(keep, dtype=torch.long)]
+        self.packed = extend(base, self.trees)
+        self.hidden = None  # it described the old layout
+
+    def prefix_candidates(self) -> PrefixCandidates:
+        """Non-root, non-terminal nodes of the bare trees (each lies on exactly one bare rollout)."""
+        p = self.packed
+        is_leaf = torch.zeros(p.num_nodes, dtype=torch.bool)
+        is_leaf[p.leaf_nodes] = True
+        node = torch.nonzero((p.node_parent >= 0) & ~is_leaf).flatten()
+        # In a bare tree a non-root node has exactly one terminal descendant.
+        r = p.node_reward_sum[node] / p.node_leaf_count[node].clamp(min=1)
+        self.prefixes = PrefixCandidates(node=node, r=(r > 0.5).float(), group=self.prompt_index[p.node_tree[node]],
+                                         local=[p.node_local[i] for i in node.tolist()])
+        return self.prefixes
+
+    def branch_points(self) -> list[tuple[int, int, int]]:
+        """(tree, node, k) of the planned continuations."""
+        return self.prefixes.branch_points(self.continuations.cpu())

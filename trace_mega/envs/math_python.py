@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
 from trace_mega.envs.records import as_paths, read_records

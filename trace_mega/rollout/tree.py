@@ -118,6 +118,10 @@ class RolloutTree:
         """Terminal nodes (the root of a tree with no rollouts is not a leaf)."""
         return [i for i, n in enumerate(self.nodes) if not n.children and i != 0]
 
+    def leaf_rewards(self) -> list[float]:
+        """Rewards of the terminal nodes, in node order (one per trajectory)."""
+        return [float(self.nodes[i].reward) for i in self.leaves()]
+
     def path(self, nid: int) -> list[int]:
         """Local ids from the root to `nid`, inclusive."""
         out = []

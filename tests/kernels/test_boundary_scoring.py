@@ -108,8 +108,10 @@ def test_triton_matches_reference_property(T, H, P, seed):
     ref = _run(boundary_scores_reference, h, w, b, pos, g_s, g_l)
     for a, r in zip(got[:2], ref[:2]):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+    # Gradients sum up to P (~300) fp32 terms per entry in another order than the reference:
+    # relative to the largest entry that is ~1e-5 at worst (hypothesis found T=1, H=128, P=289: 1.5e-5).
     for a, r in zip(got[2:], ref[2:]):
-        _close_grad(a, r, 1e-5)
+        _close_grad(a, r, 5e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

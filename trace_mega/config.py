@@ -117,7 +117,7 @@ class RolloutConfig:
 @dataclass
 class EnvConfig:
     name: str = "synthetic_tools"
-    """Environment registry name: synthetic | synthetic_tools | bfcl_multi_turn | multihop_qa | math_python."""
+    """Environment registry name: synthetic | synthetic_tools | synthetic_search | bfcl_multi_turn | multihop_qa | math_python."""
     options: dict[str, Any] = field(default_factory=dict)
     """Environment-specific keyword arguments (data paths, categories, limits)."""
     tool_timeout_s: float = 10.0

@@ -283,10 +283,16 @@ class CreditConfig:
     """Weight of the turn credit."""
     answer_template: str = "\nFinal answer: "
     """Text placed between a prefix and the gold answer when scoring it."""
+    max_answer_tokens: int = 32
+    """Longest gold answer (in tokens, as split after `answer_template`) the probe scores; a longer one is
+    refused with an error, not scored: the mean log-prob of a long or open answer is an unreliable state
+    value (the method's stated limitation, docs/credit.md). 32 covers short entity / number answers under a
+    byte-level tokenizer."""
 
     def validate(self) -> None:
         require(self.epsilon > 0, "epsilon", "must be > 0")
         require(self.lookahead_turns >= 1, "lookahead_turns", "must be >= 1")
+        require(self.max_answer_tokens >= 1, "max_answer_tokens", "must be >= 1")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from trace_mega.envs import build_env
 from trace_mega.envs.react import ReactScaffold
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.learner import Learner, hf_config
+from trace_mega.learner.probe import check_task_answers
 from trace_mega.predictor import build_predictor, plot_reliability, predictor_samples
 from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.engines import ENGINES, Engine, TorchEngine
@@ -55,6 +56,8 @@ class Trainer:
         elif cfg.model.hf_checkpoint is None and len(self.tokenizer) > cfg.model.vocab_size:
             raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer size {len(self.tokenizer)}")
         self.cfg = cfg
+        if cfg.credit.enabled:  # refuse gold answers the probe cannot score before building anything
+            check_task_answers(self.tasks, self._encode, cfg.credit.answer_template, cfg.credit.max_answer_tokens)
         self.learner = Learner(cfg)
         self.is_main = self.learner.groups.rank == 0
         self.scaffold = ReactScaffold(self.tokenizer)
@@ -159,8 +162,10 @@ class Trainer:
     def _probe(self, trees: list[RolloutTree], packed: PackedTrees) -> Optional[torch.Tensor]:
         if not self.cfg.credit.enabled:
             return None
-        encode = lambda s: self.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-        return self.learner.probe(trees, encode, self.cfg.credit.answer_template).for_packed(packed)
+        return self.learner.probe(trees, self._encode, self.cfg.credit.answer_template).for_packed(packed)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _engine_sleep(self, sleep: bool) -> None:
         if self.engine is not None:

@@ -156,6 +156,7 @@ class Learner:
             megatron_packed_forward(self.reference), trees, tokenize, template,
             output_weight=output_weight(self.reference), tp_group=self.groups.pgs.tp,
             vocab_start=self._vocab_start(self.reference), max_tokens=self.cfg.parallel.micro_batch_tokens,
+            max_answer_tokens=self.cfg.credit.max_answer_tokens,
         )
 
     # --- training ------------------------------------------------------------------

@@ -30,6 +30,7 @@ from trace_mega.config import TrainConfig, to_dict
 from trace_mega.envs import build_env
 from trace_mega.envs.react import ReactScaffold
 from trace_mega.learner.advantages import compute_advantages
+from trace_mega.learner.credit_metrics import env_credit_accuracy
 from trace_mega.learner.learner import Learner, hf_config
 from trace_mega.learner.probe import check_task_answers
 from trace_mega.predictor import build_predictor, plot_reliability, predictor_samples
@@ -119,6 +120,7 @@ class Trainer:
                     metrics = self._fit_predictor(packed)
                 with timer("credit"):
                     node_ell = self._probe(trees, packed)
+                    metrics |= env_credit_accuracy(self.env, packed, trees, node_ell, cfg.credit)  # credit/auc
                 compute_advantages(packed, trees, cfg.advantage, cfg.credit, node_ell)                 # 11
                 with timer("train"):
                     self._engine_sleep(True)  # free the engine's accelerator memory while training

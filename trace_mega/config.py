@@ -28,7 +28,7 @@ def _require_registered(field_name: str, module: str, registry: str, name: str) 
 __all__ = [
     "AllocationConfig", "PredictorConfig", "RolloutConfig", "EnvConfig", "ModelConfig",
     "ParallelConfig", "OptimConfig", "LossConfig", "AdvantageConfig", "CreditConfig",
-    "CheckpointConfig", "TelemetryConfig", "TrainConfig", "ConfigError", "load_config",
+    "CheckpointConfig", "TelemetryConfig", "TrainConfig", "PretrainConfig", "ConfigError", "load_config",
     "load_yaml", "to_dict",
 ]
 
@@ -336,3 +336,46 @@ class TrainConfig:
 
     def validate(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")
+
+
+@dataclass
+class PretrainConfig:
+    """The warm start (`trace-mega pretrain`, trace_mega/pretrain.py): the tiny policy trained as a
+    language model on generated transcripts of an environment, saved as an HF checkpoint."""
+
+    seed: int = 0
+    """Seed of the initialisation, the transcript stores and the transcript policy."""
+    steps: int = 400
+    """Optimiser steps."""
+    episodes_per_step: int = 32
+    """Transcripts (one episode each, a fresh hidden store) per optimiser step."""
+    num_stores: int = 4096
+    """Distinct generated tasks the transcripts cycle through (disjoint from the environment's own tasks)."""
+    answer_prob: float = 0.3
+    """Per turn, probability that the transcript policy answers now (else it looks a key up)."""
+    mentioned_key_prob: float = 0.5
+    """Probability that a lookup picks a key already mentioned in the context (else any key, uniformly)."""
+    max_turns: int = 6
+    """Most turns per transcript; the last allowed turn always answers."""
+    loss_on_observations: bool = True
+    """Language-model loss on every token (prompt and observations too: a repeated lookup shows a fact again,
+    which teaches copying from the context); False: only the transcript policy's own tokens."""
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(name="synthetic_search"))
+    """Environment whose format the transcripts follow (its options shape the generated stores)."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=None))
+    """Architecture of the tiny policy (vocab_size None: the environment tokenizer's size)."""
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(device="cpu"))
+    """Where it trains."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=20))
+    """Optimiser of the language-model loss."""
+    cache_dir: str = "runs/pretrain_cache"
+    """Checkpoints are cached under cache_dir/<hash of every other field>; not part of the hash."""
+
+    def validate(self) -> None:
+        require(self.steps >= 1, "steps", "must be >= 1")
+        require(self.episodes_per_step >= 1, "episodes_per_step", "must be >= 1")
+        require(self.num_stores >= 1, "num_stores", "must be >= 1")
+        require(0.0 < self.answer_prob <= 1.0, "answer_prob", "must be in (0, 1]")
+        require(0.0 <= self.mentioned_key_prob <= 1.0, "mentioned_key_prob", "must be in [0, 1]")
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        require(self.model.hf_checkpoint is None, "model.hf_checkpoint", "the warm start trains from scratch")

@@ -56,6 +56,9 @@ def tree_metrics(packed: PackedTrees) -> dict[str, float]:
         "alloc/contrasted_groups": float(mixed.sum()),
         "alloc/trajectories": float(packed.leaf_nodes.numel()),
         "reward/mean": float(packed.leaf_reward.mean()) if packed.leaf_nodes.numel() else 0.0,
+        # Turns of each root-to-leaf trajectory (a continuation counts its shared prefix's turns too).
+        "rollout/turns_per_episode": float(packed.node_depth[packed.leaf_nodes].float().mean())
+        if packed.leaf_nodes.numel() else 0.0,
     }
 
 

@@ -67,6 +67,16 @@ def main(argv=None) -> dict:
     credit = CreditConfig(enabled=True, answer_template=ANSWER_TEMPLATE)
     encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
 
+    # Decisive turns: the turn after which the context first resolves the asked key (the only turns a
+    # reader's gold likelihood can rise on; the env's `useful` label also counts earlier chain hops).
+    def resolved(t, i):
+        words = tok.decode(t.prefix_token_ids(i), skip_special_tokens=True).split()
+        return resolve_in_context(words, t.meta["chain"][0]) is not None
+
+    res_at = [[resolved(t, i) for i in range(len(t))] for t in trees]
+    decisive = [[None] + [r[i] and not r[n.parent] for i, n in enumerate(t.nodes) if i]
+                for t, r in zip(trees, res_at)]
+
     rows = {}
     for name, model in (("warm_start", warm), ("random_init", random_ref)):
         t0 = time.perf_counter()
@@ -74,6 +84,7 @@ def main(argv=None) -> dict:
             res = reference_probe(hf_packed_forward(model), trees, encode, credit.answer_template, max_tokens=4096)
         m = credit_accuracy(packed, trees, res.for_packed(packed), labels, credit)
         m["probe_s"] = time.perf_counter() - t0
+        m["auc_decisive"] = credit_accuracy(packed, trees, res.for_packed(packed), decisive, credit)["credit/auc"]
         rows[name] = m
 
     # The ceiling any reader can reach on these labels: a Bayes reader of the transcript format gives the
@@ -83,10 +94,11 @@ def main(argv=None) -> dict:
         ell = torch.full((len(t),), float("nan"))
         for i, node in enumerate(t.nodes):
             if i == 0 or node.kind != "final":
-                words = tok.decode(t.prefix_token_ids(i), skip_special_tokens=True).split()
-                ell[i] = 0.0 if resolve_in_context(words, t.meta["chain"][0]) is not None else math.log(0.1)
+                ell[i] = 0.0 if res_at[len(oracle)][i] else math.log(0.1)
         oracle.append(ell)
-    rows["oracle_reader"] = credit_accuracy(packed, trees, ProbeResult(oracle).for_packed(packed), labels, credit)
+    oracle_ell = ProbeResult(oracle).for_packed(packed)
+    rows["oracle_reader"] = credit_accuracy(packed, trees, oracle_ell, labels, credit)
+    rows["oracle_reader"]["auc_decisive"] = credit_accuracy(packed, trees, oracle_ell, decisive, credit)["credit/auc"]
 
     # Reading accuracy of the warm policy: answers given when the context resolved the asked key.
     resolved = correct = 0
@@ -107,12 +119,14 @@ def main(argv=None) -> dict:
            "references": rows}
     print(f"{len(rewards)} trajectories of the warm policy, reward {out['reward_mean']:.3f}, reading accuracy "
           f"{out['reading_accuracy']:.3f} over {resolved} answers after the chain was resolved")
-    print("| reference | credit/auc (δ) | credit/auc_R | mean δ useful | mean δ other | useful / other turns |")
-    print("|---|---|---|---|---|---|")
+    print("| reference | credit/auc (δ) | credit/auc_R | mean δ useful | mean δ other | useful / other turns | "
+          "AUC of δ, decisive turns |")
+    print("|---|---|---|---|---|---|---|")
     for name, m in rows.items():
         m.setdefault("probe_s", 0.0)
         print(f"| {name} | {m['credit/auc']:.3f} | {m['credit/auc_R']:.3f} | {m['credit/delta_useful']:.3f} | "
-              f"{m['credit/delta_other']:.3f} | {m['credit/useful_turns']:.0f} / {m['credit/other_turns']:.0f} |")
+              f"{m['credit/delta_other']:.3f} | {m['credit/useful_turns']:.0f} / {m['credit/other_turns']:.0f} | "
+              f"{m['auc_decisive']:.3f} |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     return out

@@ -51,7 +51,7 @@ def _credit_demo(argv: list[str]) -> int:
     p.add_argument("--pretrain-config", default=None, help="warm start (default: configs/pretrain_search.yaml)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
-    p.add_argument("--threshold", type=float, default=0.5, help="reward threshold of steps_to_threshold")
+    p.add_argument("--threshold", type=float, default=0.8, help="reward threshold of steps_to_threshold")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the base config, e.g. steps=10")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

@@ -5,9 +5,12 @@ checkpoint into the torch engine) on the environment's tasks, then probes the
 SAME trees with two frozen references — the warm start itself and a randomly
 initialised model of the same architecture — and reports `credit/auc` (ROC-AUC
 of δ_k against the environment's useful-turn labels), `credit/auc_R` (of R_k)
-and the mean δ per class. Also reports the warm policy's reading accuracy:
-the fraction of correct answers among answers given after the context resolved
-the asked key.
+and the mean δ per class. Two yardsticks: an **oracle reader** (ℓ̄ = 0 once
+the context resolves the asked key, log 1/10 before — the ceiling of any reader
+on these labels) and the AUC of δ against **decisive** turns (those after which
+the context first resolves the key). Also reports the warm policy's reading
+accuracy: the fraction of correct answers among answers given after the context
+resolved the asked key.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_credit_auc.py [--json PATH] [--episodes N]
 """

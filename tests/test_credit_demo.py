@@ -72,3 +72,15 @@ def test_credit_demo_end_to_end(tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "out" / "tree+credit" / "seed0" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("credit/auc" in r and "credit/delta_useful" in r for r in rows)
     assert (tmp_path / "out" / "curves.png").stat().st_size > 10_000 and "| tree+credit |" in proc.stdout
+
+
+def test_turns_per_episode_counts_shared_prefix_turns():
+    from trace_mega.rollout.tree import Node, RolloutTree, pack
+    from trace_mega.step_data import tree_metrics
+
+    t = RolloutTree("t", [1, 2])
+    a = t.add_node(0, Node(0, [3], [1], [0.0]))
+    t.add_path(a, [Node(0, [4], [1], [0.0], kind="final")], 1.0)  # 2 turns
+    t.add_path(a, [Node(0, [5], [1], [0.0]), Node(0, [6], [1], [0.0], kind="final")], 0.0)  # 3 turns
+    t.add_path(0, [Node(0, [7], [1], [0.0], kind="final")], 0.0)  # 1 turn
+    assert tree_metrics(pack([t]))["rollout/turns_per_episode"] == pytest.approx(2.0)

@@ -350,7 +350,8 @@ class PretrainConfig:
     episodes_per_step: int = 32
     """Transcripts (one episode each, a fresh hidden store) per optimiser step."""
     num_stores: int = 4096
-    """Distinct generated tasks the transcripts cycle through (disjoint from the environment's own tasks)."""
+    """Distinct generated tasks the transcripts cycle through (from a seed stream other than the environment's
+    own train / test tasks)."""
     answer_prob: float = 0.3
     """Per turn, probability that the transcript policy answers now (else it looks a key up)."""
     mentioned_key_prob: float = 0.5

@@ -179,7 +179,7 @@ def pretrain(cfg: PretrainConfig, *, force: bool = False) -> Path:
 
     t0 = time.perf_counter()
     options = {**cfg.env.options, "num_tasks": cfg.num_stores, "num_test_tasks": 0, "seed": 10_007 + cfg.seed}
-    env = build_env(cfg.env.name, **options)  # stores disjoint from the RL env's (other seed stream)
+    env = build_env(cfg.env.name, **options)  # stores from another seed stream than the RL env's tasks
     if not isinstance(env, SyntheticSearchEnv):
         raise ValueError(f"pretrain: {cfg.env.name!r} is not a synthetic_search environment")
     tok = env.tokenizer

@@ -55,10 +55,13 @@ def test_yaml_with_overrides(tmp_path):
 def test_shipped_configs_load():
     from trace_mega.resources import shipped_configs
 
+    from trace_mega.config import PretrainConfig
+
     on_disk = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
     assert sorted(p.name for p in shipped_configs().values()) == [p.name for p in on_disk]
-    for path in on_disk:
-        load_yaml(TrainConfig, path)
+    for path in on_disk:  # pretrain_*.yaml are warm-start configs, every other file a training run
+        load_yaml(PretrainConfig if path.name.startswith("pretrain_") else TrainConfig, path)
+    assert any(p.name.startswith("pretrain_") for p in on_disk)
 
 
 def test_configs_resolve_by_name_or_path(tmp_path, monkeypatch):

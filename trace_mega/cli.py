@@ -1,8 +1,12 @@
-"""`trace-mega demo | train | eval | export | bench`.
+"""`trace-mega demo | demo credit | pretrain | train | eval | export | plan | bench`.
 
 * `demo`  — the embedded default: a tiny GPT policy on a learnable synthetic
   environment, on CPU, `uniform` GRPO vs `trace` at equal rollout budget, with
   a Markdown + PNG report.
+* `demo credit` — TRACE-C on `synthetic_search` from the cached warm start:
+  grpo, grpo+credit, tree, tree+credit at equal budget, 3 seeds, a report.
+* `pretrain [--config FILE] [key=value ...]` — the cached warm start (an HF
+  checkpoint directory, printed) that `model.hf_checkpoint` can name.
 * `train --config NAME|FILE [key=value ...]` — one training run (under torchrun for
   TP/PP/EP/DP: `torchrun --nproc-per-node 2 -m trace_mega.cli train ...`).
 * `eval --config NAME|FILE` — pass@k, mean@n and accuracy per benchmark of the
@@ -111,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="override cluster.gpu_memory_gib")
     p.add_argument("overrides", nargs="*")
     sub.add_parser("bench", help="run the shipped benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
+    sub.add_parser("pretrain", help="the cached warm start for synthetic_search (trace-mega pretrain --help)")
     return parser
 
 
@@ -127,10 +132,66 @@ def _eval_overrides(args: argparse.Namespace) -> list[str]:
     return args.overrides + extra
 
 
+def _credit_demo(argv: list[str]) -> int:
+    from trace_mega.config import ConfigError
+    from trace_mega.credit_demo import METHODS, run_credit_demo
+
+    p = argparse.ArgumentParser(prog="trace-mega demo credit",
+                                description="TRACE-C vs outcome-only credit on synthetic_search, from the warm start")
+    p.add_argument("--out", default="runs/credit_demo", help="output directory of the report")
+    p.add_argument("--config", default=None, help="base config (default: configs/credit_demo.yaml)")
+    p.add_argument("--pretrain-config", default=None, help="warm start (default: configs/pretrain_search.yaml)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    p.add_argument("--threshold", type=float, default=0.8, help="reward threshold of steps_to_threshold")
+    p.add_argument("--verbose", "-v", action="store_true", help="also print library logs")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the base config, e.g. steps=10")
+    args = p.parse_args(argv)
+    from trace_mega.logs import setup_logging
+
+    setup_logging(verbose=args.verbose)
+    try:
+        run_credit_demo(args.out, args.config, args.pretrain_config, args.overrides,
+                        seeds=[int(s) for s in args.seeds.split(",")], methods=args.methods.split(","),
+                        threshold=args.threshold)
+    except ConfigError as exc:
+        print(f"invalid config: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _pretrain(argv: list[str]) -> int:
+    from trace_mega.config import ConfigError, PretrainConfig, load_yaml
+    from trace_mega.pretrain import pretrain
+
+    p = argparse.ArgumentParser(prog="trace-mega pretrain", description="the cached warm start (HF checkpoint)")
+    p.add_argument("--config", default=None, help="PretrainConfig YAML (default: configs/pretrain_search.yaml)")
+    p.add_argument("--force", action="store_true", help="retrain even when the cache has this config")
+    p.add_argument("--verbose", "-v", action="store_true", help="also print library logs")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100")
+    args = p.parse_args(argv)
+    from trace_mega.logs import setup_logging
+
+    setup_logging(verbose=args.verbose)
+    from trace_mega.credit_demo import DEFAULT_PRETRAIN
+
+    try:
+        cfg = load_yaml(PretrainConfig, args.config or DEFAULT_PRETRAIN, args.overrides)
+    except ConfigError as exc:
+        print(f"invalid config: {exc}", file=sys.stderr)
+        return 2
+    print(pretrain(cfg, force=args.force))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv[:2] == ["demo", "credit"]:
+        return _credit_demo(argv[2:])
+    if argv and argv[0] == "pretrain":
+        return _pretrain(argv[1:])
     args = _parser().parse_args(argv)
 
     from trace_mega.logs import log_to_file, setup_logging

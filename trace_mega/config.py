@@ -28,8 +28,8 @@ def _require_registered(field_name: str, module: str, registry: str, name: str) 
 __all__ = [
     "AllocationConfig", "PredictorConfig", "RolloutConfig", "EnvConfig", "ModelConfig",
     "ParallelConfig", "OptimConfig", "LossConfig", "AdvantageConfig", "CreditConfig",
-    "CheckpointConfig", "TelemetryConfig", "EvalConfig", "ClusterConfig", "TrainConfig", "ConfigError",
-    "load_config", "load_yaml", "save_yaml", "to_dict",
+    "CheckpointConfig", "TelemetryConfig", "EvalConfig", "ClusterConfig", "TrainConfig", "PretrainConfig",
+    "ConfigError", "load_config", "load_yaml", "save_yaml", "to_dict",
 ]
 
 
@@ -122,7 +122,7 @@ class RolloutConfig:
 @dataclass
 class EnvConfig:
     name: str = "synthetic_tools"
-    """Environment registry name: synthetic | synthetic_tools | bfcl_multi_turn | multihop_qa | math_python."""
+    """Environment registry name: synthetic | synthetic_tools | synthetic_search | bfcl_multi_turn | multihop_qa | math_python."""
     options: dict[str, Any] = field(default_factory=dict)
     """Environment-specific keyword arguments (data paths, categories, limits)."""
     tool_timeout_s: float = 10.0
@@ -288,10 +288,16 @@ class CreditConfig:
     """Weight of the turn credit."""
     answer_template: str = "\nFinal answer: "
     """Text placed between a prefix and the gold answer when scoring it."""
+    max_answer_tokens: int = 32
+    """Longest gold answer (in tokens, as split after `answer_template`) the probe scores; a longer one is
+    refused with an error, not scored: the mean log-prob of a long or open answer is an unreliable state
+    value (the method's stated limitation, docs/credit.md). 32 covers short entity / number answers under a
+    byte-level tokenizer."""
 
     def validate(self) -> None:
         require(self.epsilon > 0, "epsilon", "must be > 0")
         require(self.lookahead_turns >= 1, "lookahead_turns", "must be >= 1")
+        require(self.max_answer_tokens >= 1, "max_answer_tokens", "must be >= 1")
 
 
 @dataclass
@@ -406,3 +412,47 @@ class TrainConfig:
 
     def validate(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")
+
+
+@dataclass
+class PretrainConfig:
+    """The warm start (`trace-mega pretrain`, trace_mega/pretrain.py): the tiny policy trained as a
+    language model on generated transcripts of an environment, saved as an HF checkpoint."""
+
+    seed: int = 0
+    """Seed of the initialisation, the transcript stores and the transcript policy."""
+    steps: int = 400
+    """Optimiser steps."""
+    episodes_per_step: int = 32
+    """Transcripts (one episode each, a fresh hidden store) per optimiser step."""
+    num_stores: int = 4096
+    """Distinct generated tasks the transcripts cycle through (from a seed stream other than the environment's
+    own train / test tasks)."""
+    answer_prob: float = 0.3
+    """Per turn, probability that the transcript policy answers now (else it looks a key up)."""
+    mentioned_key_prob: float = 0.5
+    """Probability that a lookup picks a key already mentioned in the context (else any key, uniformly)."""
+    max_turns: int = 6
+    """Most turns per transcript; the last allowed turn always answers."""
+    loss_on_observations: bool = True
+    """Language-model loss on every token (prompt and observations too: a repeated lookup shows a fact again,
+    which teaches copying from the context); False: only the transcript policy's own tokens."""
+    env: EnvConfig = field(default_factory=lambda: EnvConfig(name="synthetic_search"))
+    """Environment whose format the transcripts follow (its options shape the generated stores)."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=None))
+    """Architecture of the tiny policy (vocab_size None: the environment tokenizer's size)."""
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(device="cpu"))
+    """Where it trains."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=20))
+    """Optimiser of the language-model loss."""
+    cache_dir: str = "runs/pretrain_cache"
+    """Checkpoints are cached under cache_dir/<hash of every other field>; not part of the hash."""
+
+    def validate(self) -> None:
+        require(self.steps >= 1, "steps", "must be >= 1")
+        require(self.episodes_per_step >= 1, "episodes_per_step", "must be >= 1")
+        require(self.num_stores >= 1, "num_stores", "must be >= 1")
+        require(0.0 < self.answer_prob <= 1.0, "answer_prob", "must be in (0, 1]")
+        require(0.0 <= self.mentioned_key_prob <= 1.0, "mentioned_key_prob", "must be in [0, 1]")
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        require(self.model.hf_checkpoint is None, "model.hf_checkpoint", "the warm start trains from scratch")

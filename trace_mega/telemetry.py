@@ -92,6 +92,9 @@ def tree_metrics(packed: "PackedTrees") -> dict[str, float]:
         "alloc/contrasted_groups": float(mixed.sum()),
         "alloc/trajectories": float(packed.leaf_nodes.numel()),
         "reward/mean": float(packed.leaf_reward.mean()) if packed.leaf_nodes.numel() else 0.0,
+        # Turns of each root-to-leaf trajectory (a continuation counts its shared prefix's turns too).
+        "rollout/turns_per_episode": float(packed.node_depth[packed.leaf_nodes].float().mean())
+        if packed.leaf_nodes.numel() else 0.0,
     }
 
 
@@ -197,10 +200,10 @@ def plot_curves(runs: dict[str, list[dict[str, float]]], keys: list[str], path: 
 
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for name, rows in runs.items():
+        for i, (name, rows) in enumerate(runs.items()):
             pts = [(r["step"], r[key]) for r in rows if key in r]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", ms=3, label=name)
+            if pts:  # a fixed colour per run, so a run missing from one panel keeps its colour in the others
+                ax.plot(*zip(*pts), marker="o", ms=3, label=name, color=f"C{i % 10}")
         ax.set(xlabel="step", title=key)
         ax.grid(alpha=0.3)
         ax.legend()

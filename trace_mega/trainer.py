@@ -32,7 +32,9 @@ from trace_mega.envs import build_env
 from trace_mega.evaluation import EvalReport, evaluate
 from trace_mega.export import policy_tokenizer, write_hf_extras
 from trace_mega.learner.advantages import compute_advantages
+from trace_mega.learner.credit_metrics import env_credit_accuracy
 from trace_mega.learner.learner import Learner, hf_config
+from trace_mega.learner.probe import check_task_answers
 from trace_mega.predictor import build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
 from trace_mega.rollout.engines import EngineSetup, build_engine
@@ -53,6 +55,8 @@ class Trainer:
         elif cfg.model.hf_checkpoint is None and len(self.tokenizer) > cfg.model.vocab_size:
             raise ValueError(f"model.vocab_size {cfg.model.vocab_size} < tokenizer size {len(self.tokenizer)}")
         self.cfg = cfg
+        if cfg.credit.enabled:  # refuse gold answers the probe cannot score before building anything
+            check_task_answers(self.tasks, self._encode, cfg.credit.answer_template, cfg.credit.max_answer_tokens)
         self.learner = Learner(cfg)
         self.is_main = self.learner.groups.rank == 0
         engine = build_engine(EngineSetup(
@@ -102,9 +106,9 @@ class Trainer:
                 with timer("expand"):
                     self.rollouts.expand(batch, seed=2 * step + 1)                                   # expand
                 with timer("credit"):
-                    self._credit(batch)                                                              # credit
+                    metrics = self._credit(batch)                                                    # credit
                 with timer("train"), self.rollouts.paused():
-                    metrics = self.learner.train_step(batch)                                         # learn
+                    metrics |= self.learner.train_step(batch)                                        # learn
                 with timer("predictor"):
                     metrics |= self._fit_predictor(batch)                                            # fit predictor
                 with timer("weight_sync"):
@@ -133,13 +137,14 @@ class Trainer:
             self.learner.encode(batch)
         return self.predictor.score(batch, nodes)
 
-    def _credit(self, batch: StepBatch) -> None:
-        """TRACE-C probe values (when enabled) and the advantages of the step's final trees."""
+    def _credit(self, batch: StepBatch) -> dict[str, float]:
+        """TRACE-C probe values (when enabled) and the advantages of the step's final trees; returns the
+        credit-accuracy metrics (`credit/auc`, ...) when the environment labels its turns."""
         cfg = self.cfg
         if cfg.credit.enabled:
-            encode = lambda s: self.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-            batch.node_ell = self.learner.probe(batch, encode, cfg.credit.answer_template)
+            batch.node_ell = self.learner.probe(batch, self._encode, cfg.credit.answer_template)
         batch.advantages = compute_advantages(batch.packed, batch.trees, cfg.advantage, cfg.credit, batch.node_ell)
+        return env_credit_accuracy(self.env, batch.packed, batch.trees, batch.node_ell, cfg.credit)
 
     def _fit_predictor(self, batch: StepBatch) -> dict[str, Any]:
         out = self.predictor.fit_step(batch)
@@ -149,6 +154,9 @@ class Trainer:
             plot_reliability(cal, Path(self.cfg.telemetry.out_dir) / "reliability.png",
                              title=f"step {self.step}: predictor on the newest trees")
         return out
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
     # --- checkpoints ---------------------------------------------------------------

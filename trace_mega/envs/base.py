@@ -104,6 +104,11 @@ class Env(ABC):
         """An independent copy of `state` to branch a continuation from."""
         return copy.deepcopy(state)
 
+    def turn_labels(self, tree: Any) -> Optional[list[Optional[bool]]]:
+        """Ground-truth usefulness of every turn of a `RolloutTree` (per local node, None for the root), for
+        measuring credit accuracy; None when the environment has no such labels (the default)."""
+        return None
+
     def reseed(self, seed: int) -> None:
         """Reset the environment's own randomness (the trainer calls it every step, so a
         resumed run replays the same episodes). Deterministic environments ignore it."""

@@ -200,6 +200,7 @@ class Learner:
             megatron_packed_forward(self.reference), batch.trees, tokenize, template,
             output_weight=weight, tp_group=self.groups.pgs.tp,
             vocab_start=start, max_tokens=self.cfg.parallel.micro_batch_tokens,
+            max_answer_tokens=self.cfg.credit.max_answer_tokens,
         ).for_packed(batch.packed)
 
     # --- training ------------------------------------------------------------------

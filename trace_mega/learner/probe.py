@@ -32,7 +32,8 @@ from trace_mega.learner.logprobs import packed_token_logprobs
 from trace_mega.rollout.tree import Node, PackedTrees, RolloutTree, pack
 
 __all__ = [
-    "PackedForward", "ProbeBatch", "ProbeResult", "answer_token_ids", "boundary_nodes",
+    "PackedForward", "ProbeBatch", "ProbeResult", "answer_token_ids", "boundary_nodes", "check_answer_length",
+    "check_task_answers",
     "build_probe_batch", "run_probe", "reference_probe", "hf_packed_forward", "megatron_packed_forward",
 ]
 
@@ -54,6 +55,30 @@ def answer_token_ids(tokenize: Callable[[str], list[int]], template: str, gold: 
     if n == len(full):
         raise ValueError(f"gold answer {gold!r} tokenizes to nothing after the template")
     return full[:n], full[n:]
+
+
+def check_answer_length(gold_ids: Sequence[int], gold: str, max_answer_tokens: Optional[int], where: str) -> None:
+    """Refuse a gold answer longer than `max_answer_tokens` (None: no limit) with a message naming it.
+
+    The probe's state value is the mean log-prob of the gold answer; for long or open
+    answers that proxy is unreliable, so such answers are refused rather than scored.
+    """
+    if max_answer_tokens is not None and len(gold_ids) > max_answer_tokens:
+        raise ValueError(
+            f"{where}: gold answer {gold[:60]!r}{'...' if len(gold) > 60 else ''} is {len(gold_ids)} tokens, more "
+            f"than credit.max_answer_tokens = {max_answer_tokens}; TRACE-C scores compact verifiable answers only "
+            "(the mean log-prob of a long answer is an unreliable state value). Shorten the gold answers, raise "
+            "credit.max_answer_tokens knowingly, or switch credit off for this environment.")
+
+
+def check_task_answers(tasks: Sequence, tokenize: Callable[[str], list[int]], answer_template: str,
+                       max_answer_tokens: Optional[int]) -> None:
+    """Before training: every task (`trace_mega.envs.base.Task`) has a gold answer the probe will score."""
+    for task in tasks:
+        if task.gold_answer is None:
+            raise ValueError(f"task {task.task_id!r} has no gold_answer: TRACE-C (credit.enabled) cannot probe it")
+        gold_ids = answer_token_ids(tokenize, answer_template, task.gold_answer)[1]
+        check_answer_length(gold_ids, task.gold_answer, max_answer_tokens, f"task {task.task_id!r}")
 
 
 def boundary_nodes(tree: RolloutTree) -> list[int]:
@@ -166,13 +191,17 @@ def _chunks(trees: Sequence[RolloutTree], sizes: Sequence[int], max_tokens: Opti
 
 def reference_probe(model: PackedForward, trees: Sequence[RolloutTree], tokenize: Callable[[str], list[int]],
                     answer_template: str, *, output_weight: Optional[torch.Tensor] = None,
-                    tp_group=None, vocab_start: int = 0, max_tokens: Optional[int] = None) -> ProbeResult:
-    """ℓ̄ at every boundary of every tree, one forward per group of trees (≤ `max_tokens` packed tokens)."""
+                    tp_group=None, vocab_start: int = 0, max_tokens: Optional[int] = None,
+                    max_answer_tokens: Optional[int] = None) -> ProbeResult:
+    """ℓ̄ at every boundary of every tree, one forward per group of trees (≤ `max_tokens` packed tokens).
+
+    A gold answer longer than `max_answer_tokens` tokens raises ValueError (`check_answer_length`)."""
     answers = []
     for tree in trees:
         if tree.gold_answer is None:
             raise ValueError(f"tree {tree.prompt_id!r} has no gold_answer to probe")
         answers.append(answer_token_ids(tokenize, answer_template, tree.gold_answer))
+        check_answer_length(answers[-1][1], tree.gold_answer, max_answer_tokens, f"tree {tree.prompt_id!r}")
     sizes = [sum(len(t.nodes[b].token_ids) + sum(map(len, a)) for b in boundary_nodes(t))
              for t, a in zip(trees, answers)]  # probe-stream tokens of each tree
     ell = [torch.full((len(t),), float("nan")) for t in trees]

@@ -1,0 +1,221 @@
+"""`trace-mega pretrain`: a short, deterministic warm start that teaches the tiny policy to read.
+
+TRACE-C's reference must be able to read observations: its gold-answer
+likelihood can only rise on evidence-gathering turns if it knows what a
+revealed value means. A real user starts RL from a pretrained model; here the
+tiny policy is trained as a language model on generated transcripts of the
+environment's format, then saved as an HF checkpoint that the trainer loads
+through `model.hf_checkpoint` as both the policy's initialisation and the frozen
+reference (the reference is a copy of the initial policy, `Learner`).
+
+Transcripts come from the real agent loop (the same rendering as RL rollouts)
+driven by a **transcript policy** engine that sees only the context, never the
+store. For ``synthetic_search`` (`SearchTranscriptEngine`): each turn it answers
+with probability `answer_prob` (always on the last allowed turn), else looks up
+a key — one already mentioned in the context with probability
+`mentioned_key_prob`, else any key uniformly. Its answer is the correct value
+when the context resolves the asked key (the chain of revealed facts from it
+ends in a value), else a uniformly random digit. So the transcripts teach the
+format, reading (copy the value a resolved chain ends in) and nothing about
+the optimal search (lookups are random, answers come at random times).
+
+The loss is the mean next-token negative log-likelihood of the transcripts —
+every token with `loss_on_observations` (the default: a repeated lookup shows
+a fact again, so predicting observations teaches copying from the context), or
+only the transcript policy's own tokens (actions and answers) — through the
+learner's packed forward and fused log-prob kernel.
+
+Deterministic: the initialisation, the stores and the transcript policy are
+seeded from `PretrainConfig.seed`, so the same config gives identical weights.
+Results are cached under `cache_dir/<sha256 of the config>[:16]` and reused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from trace_mega.config import PretrainConfig, TrainConfig, to_dict
+from trace_mega.envs import build_env
+from trace_mega.envs.synthetic_search import (ANSWER_CLOSE, ANSWER_OPEN, DIGITS, KEYS, SyntheticSearchEnv,
+                                              lookup_token)
+from trace_mega.registry import Registry
+from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
+
+__all__ = ["TRANSCRIPT_POLICIES", "SearchTranscriptEngine", "config_hash", "pretrain", "resolve_in_context"]
+
+log = logging.getLogger("trace_mega")
+
+CACHE_VERSION = 1
+"""Bumped when the transcript format or the training recipe changes (part of the cache key)."""
+
+TRANSCRIPT_POLICIES: Registry[type[Engine]] = Registry("transcript policy")
+
+
+def resolve_in_context(words: list[str], target: str) -> Optional[str]:
+    """The value the context's revealed facts give `target` (following pointers), or None.
+
+    `words` is the context split on whitespace; facts are ``k is v`` / ``k is same as j``.
+    """
+    facts: dict[str, tuple[str, str]] = {}
+    for i, w in enumerate(words):
+        if w == "is" and 0 < i and words[i - 1] in KEYS and i + 1 < len(words):
+            if words[i + 1] in DIGITS:
+                facts[words[i - 1]] = ("value", words[i + 1])
+            elif words[i + 1:i + 3] == ["same", "as"] and i + 3 < len(words) and words[i + 3] in KEYS:
+                facts[words[i - 1]] = ("pointer", words[i + 3])
+    key, hops = target, 0
+    while key in facts and hops <= len(KEYS):
+        kind, x = facts[key]
+        if kind == "value":
+            return x
+        key, hops = x, hops + 1
+    return None
+
+
+@TRANSCRIPT_POLICIES.register("synthetic_search")
+class SearchTranscriptEngine(Engine):
+    """The transcript policy of ``synthetic_search`` as an `Engine` (module docstring); reads only the prefix."""
+
+    def __init__(self, tokenizer: Any, cfg: PretrainConfig) -> None:
+        super().__init__()
+        self.tok, self.cfg = tokenizer, cfg
+        self.lookup_ids = {k: tokenizer.convert_tokens_to_ids(lookup_token(k)) for k in KEYS}
+        self.answer_ids = [tokenizer.convert_tokens_to_ids(t) for t in (ANSWER_OPEN, ANSWER_CLOSE)]
+        self.digit_ids = {d: tokenizer.convert_tokens_to_ids(d) for d in DIGITS}
+
+    def _turn(self, prefix: list[int], rng: random.Random) -> list[int]:
+        words = self.tok.decode(prefix, skip_special_tokens=True).split()
+        target = words[words.index("find") + 1]
+        turns_done = words.count("<tool_response>")
+        if turns_done + 1 >= self.cfg.max_turns or rng.random() < self.cfg.answer_prob:
+            value = resolve_in_context(words, target)
+            value = value if value is not None else rng.choice(DIGITS)
+            return [self.answer_ids[0], self.digit_ids[value], self.answer_ids[1]]
+        mentioned = [w for w in dict.fromkeys(words[words.index("find") + 1:]) if w in KEYS]
+        pool = mentioned if mentioned and rng.random() < self.cfg.mentioned_key_prob else KEYS
+        return [self.lookup_ids[rng.choice(pool)]]
+
+    def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        out = []
+        for i, prefix in enumerate(prefixes):
+            # Seeded by the wave's seed, the request and its prefix: the same rollout call, the same transcripts.
+            digest = hashlib.sha256(repr((sampling.seed, i, prefix)).encode()).digest()
+            ids = self._turn(prefix, random.Random(int.from_bytes(digest[:8], "little")))
+            out.append(Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop"))
+        return out
+
+    def update_weights(self, named_tensors) -> None:
+        for _ in named_tensors:  # a fixed policy: nothing to load
+            pass
+
+
+def config_hash(cfg: PretrainConfig) -> str:
+    """Cache key: sha256 over every field but `cache_dir`, plus `CACHE_VERSION`."""
+    data = to_dict(cfg)
+    data.pop("cache_dir", None)
+    blob = json.dumps({"version": CACHE_VERSION, "config": data}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _train_config(cfg: PretrainConfig, vocab_size: int) -> TrainConfig:
+    model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab_size)
+    return TrainConfig(seed=cfg.seed, model=model, parallel=cfg.parallel, optim=cfg.optim)
+
+
+def _lm_loss(learner):
+    from trace_mega.learner.logprobs import packed_token_logprobs
+    from trace_mega.learner.models import output_weight
+
+    def loss_fn(hidden: torch.Tensor, batch: dict):
+        mb = batch["packed"]
+        h = hidden[0, : mb.num_tokens]  # (T, H)
+        lp = packed_token_logprobs(h, output_weight(learner.chunks[0]), mb, tp_group=learner.groups.pgs.tp,
+                                   vocab_start=learner.groups.tp_rank * output_weight(learner.chunks[0]).shape[0],
+                                   reduce_grad_hidden=not learner.policy.config.sequence_parallel)
+        mask = mb.loss_mask.to(lp.device).float()
+        return -(lp * mask).sum(), mask.sum(), {}
+
+    return loss_fn
+
+
+def _inputs(packed, device: torch.device, multiple: int):
+    """(1, T) ids / positions and the tree mask of a whole packed batch, padded to `multiple` tokens."""
+    from trace_mega.learner.attention import tree_attention_mask
+
+    pad = (-packed.num_tokens) % multiple
+    n = packed.num_nodes  # padding: one extra node that sees only itself
+    tokens = torch.cat([packed.tokens, packed.tokens.new_zeros(pad)])
+    positions = torch.cat([packed.position_ids, torch.arange(pad)])
+    node = torch.cat([packed.token_node, torch.full((pad,), n)])
+    node_exit = torch.cat([packed.token_node_exit, torch.full((pad,), n)])
+    return tokens[None].to(device), positions[None].to(device), tree_attention_mask(node.to(device), node_exit.to(device))
+
+
+def pretrain(cfg: PretrainConfig, *, force: bool = False) -> Path:
+    """The cached warm-start checkpoint directory of `cfg` (trained now unless cached or `force`)."""
+    out = Path(cfg.cache_dir) / config_hash(cfg)
+    if (out / "pretrain.json").exists() and not force:
+        log.info("pretrain: cached checkpoint %s", out)
+        return out
+    if cfg.env.name not in TRANSCRIPT_POLICIES:
+        raise ValueError(f"pretrain: no transcript policy for environment {cfg.env.name!r}; "
+                         f"valid: {', '.join(TRANSCRIPT_POLICIES.names())}")
+    from trace_mega.config import RolloutConfig
+    from trace_mega.learner.learner import Learner
+    from trace_mega.learner.optim import train_step
+    from trace_mega.learner.parallel import destroy_parallel
+    from trace_mega.rollout.agent_loop import AgentLoop
+    from trace_mega.rollout.tree import pack
+
+    t0 = time.perf_counter()
+    options = {**cfg.env.options, "num_tasks": cfg.num_stores, "num_test_tasks": 0, "seed": 10_007 + cfg.seed}
+    env = build_env(cfg.env.name, **options)  # stores from another seed stream than the RL env's tasks
+    if not isinstance(env, SyntheticSearchEnv):
+        raise ValueError(f"pretrain: {cfg.env.name!r} is not a synthetic_search environment")
+    tok = env.tokenizer
+    tasks = env.tasks("train")
+    learner = Learner(_train_config(cfg, len(tok)))
+    rollout_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens_per_turn=3, max_total_tokens=4096)
+    loop = AgentLoop(env, TRANSCRIPT_POLICIES.get(cfg.env.name)(tok, cfg), tok, rollout_cfg)
+    order = random.Random(cfg.seed).sample(range(len(tasks)), len(tasks))
+    losses = []
+    try:
+        for step in range(cfg.steps):
+            batch = [tasks[order[(step * cfg.episodes_per_step + j) % len(tasks)]] for j in range(cfg.episodes_per_step)]
+            trees = loop.rollout(batch, [1] * len(batch), seed=cfg.seed * 1_000_003 + step)
+            AgentLoop.release(trees)
+            packed = pack(trees)
+            if cfg.loss_on_observations:  # every token but a sequence's first is a next-token target
+                packed.loss_mask = packed.prev_index >= 0
+            ids, pos, mask = _inputs(packed, learner.groups.device, learner.groups.tp_size)
+            metrics = train_step(learner.chunks, learner.optimizer, learner.scheduler,
+                                 [{"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": packed}],
+                                 _lm_loss(learner), learner.groups, output="hidden")
+            losses.append(metrics["loss"])
+            if step % 50 == 0 or step == cfg.steps - 1:
+                log.info("pretrain step %d/%d: nll %.4f", step, cfg.steps, metrics["loss"])
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        learner.save_hf(tmp)
+        if learner.groups.rank == 0:
+            tok.save_pretrained(tmp)
+            record = {"config": to_dict(cfg), "hash": config_hash(cfg), "nll_first": losses[0],
+                      "nll_last10": sum(losses[-10:]) / len(losses[-10:]), "seconds": time.perf_counter() - t0}
+            (tmp / "pretrain.json").write_text(json.dumps(record, indent=1))
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)  # atomic: a half-written checkpoint is never served from the cache
+    finally:
+        loop.close()
+        destroy_parallel()
+    log.info("pretrain: wrote %s in %.1f s", out, time.perf_counter() - t0)
+    return out

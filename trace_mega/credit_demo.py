@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from trace_mega.config import PretrainConfig, TrainConfig, load_yaml
-from trace_mega.telemetry import plot_curves, read_metrics
 from trace_mega.resources import configs_dir
+from trace_mega.telemetry import plot_curves, read_metrics
 
 CONFIG_DIR = configs_dir()  # the shipped configs (a wheel install has them as package data)
 DEFAULT_CONFIG = CONFIG_DIR / "credit_demo.yaml"

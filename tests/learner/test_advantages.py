@@ -36,7 +36,7 @@ def _by_local(p, node_adv, tree_index=0):
 
 
 def test_registry_names():
-    assert ADVANTAGES.names() == ["gigpo", "grpo", "trace_credit", "tree"]
+    assert ADVANTAGES.names() == ["gigpo", "grpo", "rloo", "trace_credit", "tree"]
     with pytest.raises(KeyError, match="valid names"):
         ADVANTAGES.get("ppo")
 
@@ -48,6 +48,24 @@ def test_tree_reduces_exactly_to_grpo_on_flat_trees(normalize_std):
     _, t = _node_adv("tree", trees, normalize_std=normalize_std)
     assert torch.equal(g.advantages, t.advantages)
     assert torch.equal(g.token_weight, t.token_weight)
+
+
+def test_rloo_is_the_leave_one_out_baseline():
+    trees = [_flat([1, 0, 0, 1], "a"), _flat([1, 1, 0], "b"), _flat([1], "c")]
+    p, a = _node_adv("rloo", trees)
+    expect = []
+    for rewards in ([1, 0, 0, 1], [1, 1, 0], [1]):
+        G = len(rewards)
+        expect += [r - (sum(rewards) - r) / (G - 1) if G > 1 else 0.0 for r in rewards]
+    assert torch.allclose(a.node_advantage[p.leaf_nodes], torch.tensor(expect))
+    # a shared node: the mean of its leaves' leave-one-out advantages
+    t = _tree([(0, 2, "tool", None), (1, 2, "final", 1), (1, 2, "final", 0), (0, 2, "final", 0)])
+    p, a = _node_adv("rloo", [t])
+    by = _by_local(p, a.node_advantage)
+    assert by[2] == pytest.approx(1 - 0 / 2) and by[3] == pytest.approx(0 - 1 / 2)
+    assert by[1] == pytest.approx((by[2] + by[3]) / 2)
+    with pytest.raises(ValueError, match="normalize_std"):
+        _node_adv("rloo", trees, normalize_std=True)
 
 
 def test_grpo_by_hand_with_and_without_std():

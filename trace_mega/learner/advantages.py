@@ -20,6 +20,10 @@ and is 0 for a group of one (no contrast).
 
 * ``grpo`` — the root group: every leaf of a tree, A_l = dev_tree(r_l). A shared node
   gets the mean over the leaves below it: A(g) = (1/n(g)) Σ_{l below g} A_l.
+* ``rloo`` — REINFORCE leave-one-out (Ahmadian et al. 2024) on the root group: every leaf's
+  baseline is the mean reward of the *other* leaves of its tree,
+      A_l = r_l − (1/(G−1)) Σ_{j≠l} r_j = G/(G−1) · (r_l − mean_tree(r)),
+  0 for a group of one, never divided by a std; a shared node gets the mean over its leaves.
 * ``tree`` — group-relative at every branch point, summed along the path. At a node b
   with children c_1 … c_m (m ≥ 2) the group is b's children and each child c gets
   e(c) = dev_{children(b)}(V(c)) (each child is one sampled continuation of H_b, so the
@@ -54,7 +58,7 @@ from trace_mega.rollout.tree import PackedTrees, RolloutTree
 
 __all__ = [
     "ADVANTAGES", "Advantages", "AdvantageFn", "compute_advantages", "leaf_mean",
-    "group_relative", "grpo", "tree", "gigpo", "trace_credit", "STD_EPS",
+    "group_relative", "grpo", "rloo", "tree", "gigpo", "trace_credit", "STD_EPS",
 ]
 
 STD_EPS = 1e-6
@@ -147,6 +151,18 @@ def _grpo_nodes(packed: PackedTrees, normalize_std: bool) -> torch.Tensor:
 def grpo(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig, **_) -> Advantages:
     """Root group per tree; shared nodes get the mean of the leaf advantages below them."""
     return _to_tokens(packed, _grpo_nodes(packed, cfg.normalize_std), cfg)
+
+
+@ADVANTAGES.register("rloo")
+def rloo(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig, **_) -> Advantages:
+    """Leave-one-out baseline within each tree's leaves; shared nodes get the mean of the leaves below."""
+    if cfg.normalize_std:
+        raise ValueError("rloo's leave-one-out baseline is not std-normalised; set advantage.normalize_std: false")
+    r = packed.leaf_reward.float()
+    group = packed.node_tree[packed.leaf_nodes]
+    dev = group_relative(r, group, packed.num_trees, normalize_std=False)  # r_l − mean, 0 for a lone leaf
+    G = r.new_zeros(packed.num_trees).index_add(0, group, torch.ones_like(r))[group]  # (L,) group sizes
+    return _to_tokens(packed, leaf_mean(packed, dev * G / (G - 1).clamp(min=1)), cfg)
 
 
 @ADVANTAGES.register("tree")

@@ -8,21 +8,25 @@ the KL term or TRACE-C needs it), and exposes what the step loop needs:
   the predictor's value head (one forward, no grad);
 * `probe(trees, tokenize, template)` — TRACE-C's ℓ̄ at every tool boundary from
   the reference (one packed forward per group of trees);
-* `train_step(trees, packed)` — one optimiser step on packed micro-batches of
-  whole trees, with the advantages already stored in `packed`;
+* `old_logprobs(packed, return_hidden)` — one no-grad policy forward: the log-probs of the
+  loss tokens (the PPO reference) and optionally every token's hidden state;
+* `train_step(trees, packed[, old_logprobs])` — the step's policy update: epochs x mini-batches
+  of whole trees, one optimiser step each, with the advantages already stored in `packed`;
 * `export_weights()` — HF-named full tensors (the in-memory weight sync to
   rollout engines); `save` / `load` — megatron dist checkpoints.
 
-Micro-batches hold whole trees (so every group-relative quantity is local to
-one micro-batch) and are split over data-parallel ranks; each is padded to a
-multiple of the TP size with one padding node that attends only to itself and
-carries no loss. One policy update per batch of rollouts (on-policy): the PPO
-ratio is taken against the learner's own detached log-probs, so it is 1 in
-value and its gradient is the policy gradient; the engine's behaviour
-log-probs stay on the tree and their mismatch with the learner's is logged.
+Mini-batches and micro-batches hold whole trees (so every group-relative quantity is local
+to one micro-batch); micro-batches are split over data-parallel ranks, and each is padded to a
+multiple of the TP size with one padding node that attends only to itself and carries no loss.
+The PPO ratio is taken against the policy before the step's first update (`loss.old_logprobs:
+learner`) or the engine's sampling log-probs (`behaviour`); with one mini-batch and one epoch
+the learner's old log-probs are the current ones detached (ratio 1, the on-policy gradient).
+Rollout importance weights (`loss.rollout_is`) correct for the engine-vs-learner mismatch
+(docs/credit.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -34,12 +38,67 @@ from trace_mega.learner.attention import tree_attention_mask
 from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trace_mega.learner.convert import export_hf, load_hf_into, save_hf
 from trace_mega.learner.logprobs import packed_token_logprobs
-from trace_mega.learner.losses import aggregation_mode, compute_loss, unit_count
+from trace_mega.learner.losses import aggregation_mode, compute_loss, rollout_is_weights, unit_count
 from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight, unwrap
 from trace_mega.learner.optim import build_optimizer, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
 from trace_mega.learner.probe import ProbeResult, megatron_packed_forward, reference_probe
 from trace_mega.rollout.tree import PackedTrees, RolloutTree, pack
+
+def balanced_bins(sizes: Sequence[int], n: int) -> list[list[int]]:
+    """Indices 0..len(sizes)-1 in `n` bins of near-equal total size, deterministically.
+
+    Largest first into the least-loaded bin (ties: the lower index, the lower bin); each bin's
+    indices are returned in ascending order. Used for mini-batches (n = mini-batches per step)
+    and for micro-batches (n = DP size x micro-batches per rank).
+    """
+    bins: list[list[int]] = [[] for _ in range(max(n, 1))]
+    load = [0] * len(bins)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        b = min(range(len(bins)), key=lambda b: (load[b], b))
+        bins[b].append(i)
+        load[b] += sizes[i]
+    return [sorted(b) for b in bins]
+
+
+def _tree_token_ranges(packed: PackedTrees) -> tuple[list[int], list[int]]:
+    """[start, end) of every tree's tokens in the packed stream."""
+    start = packed.node_start[packed.tree_node_offset[:-1]].tolist()
+    return start, start[1:] + [packed.num_tokens]
+
+
+_SUM_KEYS = ("loss_sum", "num_tokens", "mask_tokens")
+
+
+def _step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of one trainer step from its optimiser steps' reduced metrics.
+
+    Sums (``*_sum`` over units, ``*_tok_sum`` over loss tokens) are added up over the steps and
+    normalised once; maxima are maxima; grad_norm is the mean, lr the last, skipped the count.
+    """
+    total: dict[str, float] = {}
+    for raw in steps:
+        for k, v in raw.items():
+            if k.endswith("_max"):
+                total[k] = max(total.get(k, -math.inf), v)
+            elif k.endswith("_sum") or k in _SUM_KEYS:
+                total[k] = total.get(k, 0.0) + v
+    units = max(total.pop("num_tokens"), 1e-12)
+    tokens = max(total.pop("mask_tokens"), 1.0)
+    out = {"loss/total": total.pop("loss_sum") / units, "loss/units": units,
+           "loss/grad_norm": sum(r["grad_norm"] for r in steps) / len(steps), "loss/lr": steps[-1]["lr"],
+           "loss/skipped": sum(r["skipped"] for r in steps), "loss/optimizer_steps": float(len(steps))}
+    out["loss/logprob_mismatch"] = total.pop("mismatch_tok_sum") / tokens
+    out["loss/token_entropy"] = total.pop("entropy_tok_sum") / tokens
+    for k, v in total.items():
+        if k.endswith("_tok_sum"):
+            out[f"loss/{k.removesuffix('_tok_sum')}"] = v / tokens
+        elif k.endswith("_sum"):
+            out[f"loss/{k.removesuffix('_sum')}"] = v / units
+        else:
+            out[f"loss/{k}"] = v
+    return out
+
 
 def resolve_model_config(cfg: TrainConfig):
     """The `ModelConfig` in force: from the HF checkpoint's config.json when one is given."""
@@ -145,7 +204,7 @@ class Learner:
         ids, pos, mask = self._inputs(packed)
         hidden = forward_packed(self.reference, ids, pos, mask, output="hidden")[0, : packed.num_tokens]
         return packed_token_logprobs(hidden, output_weight(self.reference), packed, tp_group=self.groups.pgs.tp,
-                                     vocab_start=self._vocab_start(self.reference))
+                                     vocab_start=self._vocab_start(self.reference), vocab_size=self.model_cfg.vocab_size)
 
     @torch.no_grad()
     def probe(self, trees: Sequence[RolloutTree], tokenize: Callable[[str], list[int]], template: str) -> ProbeResult:
@@ -156,65 +215,102 @@ class Learner:
             megatron_packed_forward(self.reference), trees, tokenize, template,
             output_weight=output_weight(self.reference), tp_group=self.groups.pgs.tp,
             vocab_start=self._vocab_start(self.reference), max_tokens=self.cfg.parallel.micro_batch_tokens,
+            vocab_size=self.model_cfg.vocab_size,
         )
 
     # --- training ------------------------------------------------------------------
-    def _micro_batches(self, trees: Sequence[RolloutTree], packed: PackedTrees) -> list[PackedTrees]:
-        """This DP rank's micro-batches of whole trees, advantages sliced from `packed`.
+    @torch.no_grad()
+    def old_logprobs(self, packed: PackedTrees, return_hidden: bool = False):
+        """(T,) policy log-probs of `packed`'s loss tokens (no grad), and with `return_hidden` the
+        (T, H) final hidden states of every token they came from (for the predictor's value head).
 
-        Trees are placed largest first into dp * n bins (n = micro-batches per
-        rank, from the token budget) by least load; rank r takes bins r::dp so
-        every rank runs the same number of micro-batches.
+        Pass the log-probs to `train_step(..., old_logprobs=...)` to reuse this forward as the PPO
+        reference; the forward is chunked like `hidden_states`.
+        """
+        hidden = self.hidden_states(packed)
+        lp = packed_token_logprobs(hidden, output_weight(self.policy), packed, tp_group=self.groups.pgs.tp,
+                                   vocab_start=self._vocab_start(self.policy), vocab_size=self.model_cfg.vocab_size)
+        return (lp, hidden) if return_hidden else lp
+
+    @torch.no_grad()
+    def _micro_logprobs(self, batch: dict) -> torch.Tensor:
+        """(T_mb,) policy log-probs of one prepared micro-batch (no grad, the training inputs)."""
+        mb: PackedTrees = batch["packed"]
+        hidden = forward_packed(self.policy, batch["input_ids"], batch["position_ids"], batch["tree_mask"],
+                                output="hidden")[0, : mb.num_tokens]
+        return packed_token_logprobs(hidden, output_weight(self.policy), mb, tp_group=self.groups.pgs.tp,
+                                     vocab_start=self._vocab_start(self.policy), vocab_size=self.model_cfg.vocab_size)
+
+    def _micro_batches(self, trees: Sequence[RolloutTree], packed: PackedTrees,
+                       tree_ids: Sequence[int]) -> list[tuple[PackedTrees, torch.Tensor]]:
+        """This DP rank's micro-batches of the trees `tree_ids`: (pack, stream positions in `packed`).
+
+        The trees are binned by tokens into dp * n bins (`balanced_bins`, n = micro-batches per
+        rank, from the token budget); rank r takes bins r::dp so every rank runs the same number
+        of micro-batches. Advantages and token weights are sliced from `packed`.
         """
         g = self.groups
-        node_off = packed.tree_node_offset
-        start = packed.node_start[node_off[:-1]]
-        end = torch.cat([start[1:], torch.tensor([packed.num_tokens])])
-        sizes = (end - start).tolist()
+        start, end = _tree_token_ranges(packed)
+        sizes = [end[i] - start[i] for i in tree_ids]
         n = max(1, math.ceil(sum(sizes) / (g.dp_size * self.cfg.parallel.micro_batch_tokens)))
-        bins: list[list[int]] = [[] for _ in range(g.dp_size * n)]
-        load = [0] * len(bins)
-        for i in sorted(range(len(trees)), key=lambda i: -sizes[i]):
-            b = min(range(len(bins)), key=lambda b: load[b])
-            bins[b].append(i)
-            load[b] += sizes[i]
         out = []
-        for b in bins[g.dp_rank:: g.dp_size]:
-            b.sort()
-            mb = pack([trees[i] for i in b])
-            idx = torch.cat([torch.arange(start[i], end[i]) for i in b]) if b else torch.zeros(0, dtype=torch.long)
+        for b in balanced_bins(sizes, g.dp_size * n)[g.dp_rank:: g.dp_size]:
+            ids = [tree_ids[j] for j in b]
+            mb = pack([trees[i] for i in ids])
+            idx = (torch.cat([torch.arange(start[i], end[i]) for i in ids]) if ids
+                   else torch.zeros(0, dtype=torch.long))
             mb.advantages = packed.advantages[idx]
             mb.token_weight = packed.token_weight[idx]
-            out.append(mb)
+            out.append((mb, idx))
         return out
 
-    def train_step(self, trees: Sequence[RolloutTree], packed: PackedTrees) -> dict[str, float]:
-        """One optimiser step over `trees` (whose pack `packed` carries the advantages)."""
+    def train_step(self, trees: Sequence[RolloutTree], packed: PackedTrees,
+                   old_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """The step's policy update over `trees` (whose pack `packed` carries the advantages).
+
+        `optim.epochs_per_step` passes over `optim.mini_batches_per_step` mini-batches of whole
+        trees (`balanced_bins` on tree tokens), one optimiser step each; every DP rank takes part
+        in every step (its share of each mini-batch), so the distributed optimizer's collectives
+        line up. The PPO ratio is taken against `loss.old_logprobs`:
+        * learner — the policy before the first update: `old_logprobs` (T,) when given (from
+          `Learner.old_logprobs`), else one no-grad forward per micro-batch before the first
+          step. With one mini-batch and one epoch nothing is off-policy, so the current
+          log-probs, detached, are the old ones (no extra forward; the update is the plain
+          policy gradient, identical to a single on-policy step);
+        * behaviour — the rollout engine's sampling log-probs stored on the trees.
+        `loss.rollout_is` multiplies the surrogate by truncated weights min(π_old/π_engine, C).
+        Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima).
+        """
         if packed.advantages is None:
             raise ValueError("run an advantage estimator on `packed` first")
-        unit = aggregation_mode(self.cfg.loss)
-        batches = []
-        for mb in self._micro_batches(trees, packed):
-            ids, pos, mask = self._inputs(mb)
-            batch = {"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb}
-            if self.reference is not None and self.cfg.loss.kl_coef > 0:
-                batch["ref_logprobs"] = self._reference_logprobs(mb)
-            batches.append(batch)
-        raw = train_step(self.chunks, self.optimizer, self.scheduler, batches, self._loss_fn(unit),
-                         self.groups, output="hidden")
-        units = max(raw.pop("num_tokens"), 1e-12)
-        out = {"loss/total": raw.pop("loss_sum") / units, "loss/grad_norm": raw.pop("grad_norm"),
-               "loss/lr": raw.pop("lr"), "loss/skipped": raw.pop("skipped"), "loss/units": units}
-        raw.pop("loss", None)
-        mask_tokens = max(raw.pop("mask_tokens"), 1.0)
-        out["loss/logprob_mismatch"] = raw.pop("mismatch_sum") / mask_tokens
-        out["loss/token_entropy"] = raw.pop("entropy_tok_sum") / mask_tokens
-        for k, v in raw.items():  # unit-weighted sums of the loss metrics
-            out[f"loss/{k.removesuffix('_sum')}"] = v / units
-        return out
+        opt, lc = self.cfg.optim, self.cfg.loss
+        unit = aggregation_mode(lc)
+        start, end = _tree_token_ranges(packed)
+        minis = balanced_bins([e - s for s, e in zip(start, end)], min(opt.mini_batches_per_step, len(trees)))
+        on_policy = lc.old_logprobs == "learner" and len(minis) == 1 and opt.epochs_per_step == 1
+        plans = []
+        for ids in minis:  # every micro-batch of every mini-batch, prepared before any update
+            batches = []
+            for mb, idx in self._micro_batches(trees, packed, ids):
+                ids_t, pos, mask = self._inputs(mb)
+                batch = {"input_ids": ids_t, "position_ids": pos, "tree_mask": mask, "packed": mb}
+                if self.reference is not None and lc.kl_coef > 0:
+                    batch["ref_logprobs"] = self._reference_logprobs(mb)
+                if lc.old_logprobs == "learner" and not on_policy:
+                    batch["old_logprobs"] = (old_logprobs[idx.to(old_logprobs.device)] if old_logprobs is not None
+                                             else self._micro_logprobs(batch))
+                batches.append(batch)
+            plans.append(batches)
+        loss_fn = self._loss_fn(unit, on_policy)
+        steps = [train_step(self.chunks, self.optimizer, self.scheduler, batches, loss_fn, self.groups,
+                            output="hidden")
+                 for _ in range(opt.epochs_per_step) for batches in plans]
+        return _step_metrics(steps)
 
-    def _loss_fn(self, unit: str):
+    def _loss_fn(self, unit: str, on_policy: bool):
         cfg, g = self.cfg.loss, self.groups
+        if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.seq_norm_tokens is None:
+            cfg = dataclasses.replace(cfg, seq_norm_tokens=self.cfg.rollout.max_total_tokens)
 
         def loss_fn(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
             mb: PackedTrees = batch["packed"]
@@ -223,13 +319,26 @@ class Learner:
             # hidden gradient over TP in its backward; the kernel must not sum it again.
             lp, ent = packed_token_logprobs(h, output_weight(self.chunks[0]), mb, tp_group=g.pgs.tp,
                                             vocab_start=self._vocab_start(self.chunks[0]), with_entropy=True,
-                                            reduce_grad_hidden=not self.policy.config.sequence_parallel)
-            out = compute_loss(lp, mb, cfg, old_logprobs=lp.detach(), ref_logprobs=batch.get("ref_logprobs"),
-                               entropy=ent)
-            units = unit_count(mb, unit).to(lp)
+                                            reduce_grad_hidden=not self.policy.config.sequence_parallel,
+                                            vocab_size=self.model_cfg.vocab_size)
+            behaviour = mb.behaviour_logprobs.to(lp)
+            old = (lp.detach() if on_policy else batch["old_logprobs"]) if cfg.old_logprobs == "learner" else behaviour
             mask = mb.loss_mask.to(lp.device)
-            metrics = {f"{k}_sum": v.detach().float() * units for k, v in out.metrics.items()}
-            metrics["mismatch_sum"] = ((lp.detach() - mb.behaviour_logprobs.to(lp)).abs() * mask).sum()
+            metrics = {}
+            is_w = None
+            if cfg.rollout_is != "none":
+                is_w, is_m = rollout_is_weights(old, behaviour, mb, cfg.rollout_is, cfg.rollout_is_cap)
+                metrics = {"rollout_is_mean_tok_sum": is_m["rollout_is_mean"] * mask.sum(),
+                           "rollout_is_capped_fraction_tok_sum": is_m["rollout_is_capped_fraction"] * mask.sum(),
+                           "rollout_is_max": is_m["rollout_is_max"]}
+            out = compute_loss(lp, mb, cfg, old_logprobs=old, ref_logprobs=batch.get("ref_logprobs"),
+                               entropy=ent, is_weights=is_w)
+            units = unit_count(mb, unit).to(lp)
+            for k, v in out.metrics.items():  # unit-weighted sums (maxima stay maxima)
+                metrics[k if k.endswith("_max") else f"{k}_sum"] = v.detach().float() * (1 if k.endswith("_max") else units)
+            # engine-vs-learner mismatch at the rollout weights (the current ones when on-policy)
+            ref_lp = lp.detach() if cfg.old_logprobs == "behaviour" else old
+            metrics["mismatch_tok_sum"] = ((ref_lp - behaviour).abs() * mask).sum()
             metrics["entropy_tok_sum"] = (ent.detach() * mask).sum()
             metrics["mask_tokens"] = mask.sum().float()
             return out.loss * units, units, metrics

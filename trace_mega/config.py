@@ -312,8 +312,11 @@ class CreditConfig:
     """K of the truncated K-step TD backup."""
     gamma_td: float = 0.9
     """Discount of the look-ahead."""
-    mixing: Literal["anchored", "broadcast"] = "anchored"
-    """anchored: turn k gets beta * R_k, final turn beta * R_K + A_out; broadcast: every turn A_out + beta * R_k (docs/credit.md)."""
+    mixing: Literal["auto", "anchored", "broadcast"] = "auto"
+    """broadcast: every turn A_out + beta * R_k (with the tree outcome term every turn keeps its
+    branch-point contrasts); anchored (the paper's literal rule): turn k gets beta * R_k, the final
+    turn beta * R_K + A_out; auto: broadcast with advantage.name tree (TRACE-A + TRACE-C), anchored
+    otherwise (docs/credit.md)."""
     beta: float = 1.0
     """Weight of the turn credit."""
     answer_template: str = "\nFinal answer: "

@@ -39,9 +39,10 @@ and is 0 for a group of one (no contrast).
   observation is its own state) form a group, and
       G(n)   = (1/n(n)) Σ_{l below n} γ^{depth(l) − depth(n)} r_l     (discounted return)
       A_S(n) = dev_anchor(n)(G(n)),    A(n) = A_E(n) + ω A_S(n).
-* ``trace_credit`` — TRACE-C (SPEC §4, credit.py): A(n) = mix(β R(n), A^out(n)) with
-  A^out from the estimator `AdvantageConfig.name` (grpo | tree | gigpo) and R(n) the
-  reference-probe turn credit; chosen by `CreditConfig.enabled`, so ``tree`` +
+* ``trace_credit`` — TRACE-C (docs/design.md §4, credit.py): A(n) = mix(β R(n), A^out(n)) with
+  A^out from the estimator `AdvantageConfig.name` (grpo | rloo | tree | gigpo) and R(n) the
+  reference-probe turn credit; the mix is `resolve_mixing` (A^out(n) + β R(n) on every turn
+  under ``tree``, so a flat probe, R = 0, gives exactly the credit-off advantages); chosen by `CreditConfig.enabled`, so ``tree`` +
   ``trace_credit`` (TRACE-A + TRACE-C) is `advantage.name: tree, credit.enabled: true`.
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ from trace_mega.rollout.tree import PackedTrees, RolloutTree
 
 __all__ = [
     "ADVANTAGES", "Advantages", "AdvantageFn", "compute_advantages", "leaf_mean",
-    "group_relative", "grpo", "rloo", "tree", "gigpo", "trace_credit", "STD_EPS",
+    "group_relative", "grpo", "rloo", "tree", "gigpo", "trace_credit", "resolve_mixing", "STD_EPS",
 ]
 
 STD_EPS = 1e-6
@@ -211,6 +212,15 @@ def gigpo(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfi
     return _to_tokens(packed, episode + cfg.gigpo_step_weight * step, cfg)
 
 
+def resolve_mixing(credit: CreditConfig, cfg: AdvantageConfig) -> str:
+    """The credit mixing in force: `credit.mixing`, with "auto" = broadcast under the `tree` outcome
+    term (anchored would zero the branch-point contrasts of every internal turn: docs/credit.md)
+    and anchored (the paper's rule) under the others."""
+    if credit.mixing != "auto":
+        return credit.mixing
+    return "broadcast" if cfg.name == "tree" else "anchored"
+
+
 @ADVANTAGES.register("trace_credit")
 def trace_credit(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig, *,
                  credit: Optional[CreditConfig] = None, node_ell: Optional[torch.Tensor] = None,
@@ -227,7 +237,7 @@ def trace_credit(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: Advanta
     R = node_turn_credit(packed, node_ell, credit.epsilon, credit.gamma_td, credit.lookahead_turns)
     ids = torch.arange(packed.num_nodes, device=packed.node_exit.device)
     is_final = (packed.node_exit == ids) & (packed.node_parent >= 0)  # (N,) leaves: last turns
-    node_adv = mix_turn_advantages(R, outcome.node_advantage, is_final, credit.mixing, credit.beta)
+    node_adv = mix_turn_advantages(R, outcome.node_advantage, is_final, resolve_mixing(credit, cfg), credit.beta)
     return _to_tokens(packed, node_adv, cfg)
 
 

@@ -106,9 +106,12 @@ class Trainer:
                 cand = prefix_candidates(bare)                                                         # 5
                 v_pref = self._score(bare, cand.node)                                                  # 6
                 k = allocator.plan_prefixes(v_pref, cand.r.to(v_pref), cand.group.to(v_pref.device), m, gen)  # 7
+                # Budget no prefix could take: fresh rollouts, i.e. continuations from the root (node 0).
+                extra = allocator.plan_root_continuations(m, k.cpu(), gen).tolist()
                 with timer("expand"):                                                                   # 8
                     if self.is_main:
-                        self.agent.expand(trees, cand.branch_points(k.cpu()), seed=2 * step + 1)
+                        roots_again = [(i, 0, e) for i, e in enumerate(extra) if e > 0]
+                        self.agent.expand(trees, cand.branch_points(k.cpu()) + roots_again, seed=2 * step + 1)
                         AgentLoop.release(trees)
                 trees = share_trees([t for t, mi in zip(trees, m.tolist()) if mi > 0])                 # 9
                 packed = pack(trees)
@@ -124,7 +127,8 @@ class Trainer:
                 with timer("weight_sync"):
                     self._sync_weights()
             metrics |= tree_metrics(packed) | self._rollout_metrics(stats0) | timer.seconds | self.gpu.sample()
-            metrics |= {"alloc/fallback": float(allocator is self.fallback), "data/prompt_hash": _hash(tasks)}
+            metrics |= {"alloc/fallback": float(allocator is self.fallback), "data/prompt_hash": _hash(tasks),
+                        "alloc/root_continuations": float(sum(extra))} | allocator.metrics()
             # NaN (no previous fit to compare with) never triggers the fallback; allocators
             # that ignore the predictor (uniform, treepo) have none.
             self.use_fallback = (cfg.predictor.fallback_to_uniform and cfg.allocation.name in _FALLBACK

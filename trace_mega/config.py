@@ -142,7 +142,7 @@ class ModelConfig:
     hidden_size: int = 64
     """Model width."""
     ffn_hidden_size: int = 128
-    """SwiGLU inner width (dense layers)."""
+    """Gated-MLP inner width (dense layers)."""
     num_attention_heads: int = 4
     """Query heads."""
     num_query_groups: int = 2
@@ -157,6 +157,9 @@ class ModelConfig:
     """RoPE theta."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon."""
+    activation: Literal["silu", "gelu", "gelu_tanh", "relu"] = "silu"
+    """Activation of the gated MLP (act(gate) * up): silu (SwiGLU, Qwen / Llama), gelu (erf), gelu_tanh
+    (tanh approximation: HF gelu_pytorch_tanh / gelu_new), relu. From the HF config's hidden_act."""
     qk_layernorm: bool = True
     """Qwen3 q/k RMSNorm."""
     qkv_bias: bool = False
@@ -175,6 +178,11 @@ class ModelConfig:
     """Parameter dtype."""
     attention_backend: Literal["auto", "sdpa", "tree_triton"] = "auto"
     """Core attention leaf: tree_triton on GPU with Triton, sdpa with a materialised tree mask otherwise."""
+
+    def validate(self) -> None:
+        require(not (self.num_experts and self.moe_router_topk == 1 and self.moe_norm_topk_prob),
+                "moe_norm_topk_prob", "top-1 routing with renormalised weights (all 1) is not representable by "
+                "megatron-core's router; set it false (weight = the softmax probability)")
 
 
 @dataclass

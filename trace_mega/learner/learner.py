@@ -121,6 +121,7 @@ def hf_config(model_cfg) -> Any:
         head_dim=model_cfg.head_dim, max_position_embeddings=model_cfg.max_position_embeddings,
         rms_norm_eps=model_cfg.norm_epsilon, tie_word_embeddings=model_cfg.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(model_cfg.rotary_base)},
+        hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(model_cfg.activation, model_cfg.activation),
         attention_bias=False, torch_dtype="float32",
     )
     if not model_cfg.qk_layernorm:
@@ -128,7 +129,7 @@ def hf_config(model_cfg) -> Any:
     if model_cfg.num_experts:
         return Qwen3MoeConfig(num_experts=model_cfg.num_experts, num_experts_per_tok=model_cfg.moe_router_topk,
                               moe_intermediate_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
-                              norm_topk_prob=True, **common)
+                              norm_topk_prob=model_cfg.moe_norm_topk_prob, **common)
     return Qwen3Config(**common)
 
 

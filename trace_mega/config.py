@@ -229,7 +229,7 @@ class OptimConfig:
     """Global gradient-norm clip (0 disables)."""
     mini_batches_per_step: int = 1
     """Optimiser steps per epoch: the step's trees are split into this many mini-batches of whole
-    trees (balanced by tokens, deterministic); capped at the number of trees."""
+    trees (balanced by tokens, deterministic); capped at (number of trees) / (data-parallel size)."""
     epochs_per_step: int = 1
     """Passes over the step's mini-batches. With 1 mini-batch and 1 epoch the update is on-policy
     (the old log-probs are the current ones, so PPO's ratio is exactly 1)."""

@@ -287,7 +287,9 @@ class Learner:
         opt, lc = self.cfg.optim, self.cfg.loss
         unit = aggregation_mode(lc)
         start, end = _tree_token_ranges(packed)
-        minis = balanced_bins([e - s for s, e in zip(start, end)], min(opt.mini_batches_per_step, len(trees)))
+        # At most one mini-batch per dp_size trees: every rank needs a tree in every mini-batch.
+        n_mini = max(1, min(opt.mini_batches_per_step, len(trees) // self.groups.dp_size))
+        minis = balanced_bins([e - s for s, e in zip(start, end)], n_mini)
         on_policy = lc.old_logprobs == "learner" and len(minis) == 1 and opt.epochs_per_step == 1
         plans = []
         for ids in minis:  # every micro-batch of every mini-batch, prepared before any update

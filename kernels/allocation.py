@@ -118,7 +118,9 @@ def dense_layout(group: torch.Tensor, num_groups: int, width: int | None = None)
     """
     perm = torch.argsort(group, stable=True)  # by group, index order inside a group
     g_sorted = group[perm]
-    sizes = torch.bincount(group, minlength=num_groups)
+    # A scatter-add, not torch.bincount: bincount sizes its output from the data (a host sync).
+    sizes = torch.zeros(num_groups, dtype=torch.long, device=group.device).index_add_(
+        0, group, torch.ones_like(group))
     start = torch.cumsum(sizes, 0) - sizes
     W = int(sizes.max()) if width is None and group.numel() else (width or 1)
     W = max(W, 1)
@@ -140,12 +142,14 @@ def _row_fill(want: torch.Tensor, avail: torch.Tensor) -> torch.Tensor:
 
 def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.Tensor, cap: torch.Tensor,
                         backend: str = "torch", iters: int = THRESHOLD_ITERS,
-                        max_group_size: int | None = None) -> torch.Tensor:
+                        max_group_size: int | None = None, taken: torch.Tensor | None = None) -> torch.Tensor:
     """Exact per-group top-`budget[g]` selection over units with gains q_p^k (1 - q_p), k < cap_p.
 
     Args: flip (P,) = 1 - q in [0, 1]; group (P,) long in [0, G); budget (G,) long >= 0;
     cap (P,) long >= 0 (the most units prefix p may take); max_group_size: an
-    upper bound on the prefixes per group (None: computed, one host sync).
+    upper bound on the prefixes per group (None: computed, one host sync);
+    taken (P,) long >= 0: units prefix p already has (None: 0). Its new units are then
+    k = taken_p, taken_p + 1, ... with gains q^k (1 - q), and `cap` counts new units only.
     Returns k (P,) long with sum over each group = min(budget[g], sum of caps).
     Units with gain 0 (flip = 0, or k >= 1 at flip = 1) are used only after
     every positive unit of the group is taken. Ties (gains inside the final
@@ -158,12 +162,18 @@ def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.T
         raise ValueError(f"unknown backend {backend!r}; valid: torch, triton")
     perm, slot, W = dense_layout(group, G, max_group_size)
     A, Bq = prefix_log_gains(flip)  # (P,)
+    # flip = 1 has one positive unit (k = 0); after `taken` units none is left.
+    one_left = torch.ones_like(A)
+    if taken is not None:
+        A = A - taken.to(A) * Bq  # log gain of unit taken_p: the first new one
+        one_left = torch.clamp(1.0 - taken.to(A), min=0.0)
     A, Bq = _scatter(A, perm, slot, G, W, -torch.inf), _scatter(Bq, perm, slot, G, W, 1.0)  # (G, W)
     capf = _scatter(cap, perm, slot, G, W, 0.0)
     budf = budget.to(torch.float64)
     flip_t = _scatter(flip, perm, slot, G, W, 0.0)
+    one_left = _scatter(one_left, perm, slot, G, W, 0.0)
     pos_cap = torch.where(flip_t == 0, torch.zeros_like(capf),
-                          torch.where(flip_t == 1, torch.clamp(capf, max=1.0), capf))  # positive units (G, W)
+                          torch.where(flip_t == 1, torch.minimum(capf, one_left), capf))  # positive units (G, W)
     lo, hi = _initial_bracket(A, Bq, pos_cap, budget)
     if backend == "triton":
         lo, hi = _bisect_triton(A, Bq, pos_cap, budf, lo, hi, iters)

@@ -551,7 +551,7 @@ def _pick_backend(hidden, weight, backend):
 
 def token_logprobs(hidden, weight, targets, *, chunk_size=None, tp_group=None, vocab_start=0,
                    with_entropy=False, temperature=1.0, backend="auto",
-                   reduce_grad_hidden=True):
+                   reduce_grad_hidden=True, vocab_size=None):
     """Target-token log-probs (and entropy) of `softmax(hidden @ weight.T / temperature)`.
 
     Args:
@@ -569,6 +569,9 @@ def token_logprobs(hidden, weight, targets, *, chunk_size=None, tp_group=None, v
         backend: "auto" | "triton" | "triton_dz" | "torch" (see the module docstring).
         reduce_grad_hidden: all-reduce dhidden over tp_group in the backward (default);
             False leaves each rank's partial dhidden for an enclosing reduction.
+        vocab_size: the true GLOBAL vocabulary (None: every row of every shard is real). The
+            rows at global ids >= vocab_size (the zero padding that makes the vocab divisible
+            by TP) are excluded from the softmax and entropy and get no gradient.
     Returns:
         logprobs (T,) fp32, and entropy (T,) fp32 when ``with_entropy``; differentiable
         w.r.t. hidden and weight.
@@ -583,6 +586,12 @@ def token_logprobs(hidden, weight, targets, *, chunk_size=None, tp_group=None, v
     if tp_group is None and vocab_start != 0:
         raise ValueError("vocab_start != 0 needs a tp_group")
     targets = targets.long()
+    if vocab_size is not None:
+        # Padded rows are the shard's tail: keep the first `valid` rows (a view; its backward
+        # writes zeros to the rest). A shard of padding only keeps 0 rows: its statistics are
+        # (-inf, 0, 0, 0), which the TP combine weighs by exp(-inf) = 0.
+        valid = min(weight.shape[0], max(0, int(vocab_size) - int(vocab_start)))
+        weight = weight[:valid]
     if tp_group is None and targets.numel() and bool((targets >= weight.shape[0]).any()):
         raise ValueError(f"targets must be < V = {weight.shape[0]} (or negative = ignored)")
     be = _pick_backend(hidden, weight, backend)

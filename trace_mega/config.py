@@ -147,7 +147,7 @@ class ModelConfig:
     hidden_size: int = 64
     """Model width."""
     ffn_hidden_size: int = 128
-    """SwiGLU inner width (dense layers)."""
+    """Gated-MLP inner width (dense layers)."""
     num_attention_heads: int = 4
     """Query heads."""
     num_query_groups: int = 2
@@ -162,6 +162,9 @@ class ModelConfig:
     """RoPE theta."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon."""
+    activation: Literal["silu", "gelu", "gelu_tanh", "relu"] = "silu"
+    """Activation of the gated MLP (act(gate) * up): silu (SwiGLU, Qwen / Llama), gelu (erf), gelu_tanh
+    (tanh approximation: HF gelu_pytorch_tanh / gelu_new), relu. From the HF config's hidden_act."""
     qk_layernorm: bool = True
     """Qwen3 q/k RMSNorm."""
     qkv_bias: bool = False
@@ -180,6 +183,11 @@ class ModelConfig:
     """Parameter dtype."""
     attention_backend: Literal["auto", "sdpa", "tree_triton"] = "auto"
     """Core attention leaf: tree_triton on GPU with Triton, sdpa with a materialised tree mask otherwise."""
+
+    def validate(self) -> None:
+        require(not (self.num_experts and self.moe_router_topk == 1 and self.moe_norm_topk_prob),
+                "moe_norm_topk_prob", "top-1 routing with renormalised weights (all 1) is not representable by "
+                "megatron-core's router; set it false (weight = the softmax probability)")
 
 
 @dataclass
@@ -224,9 +232,17 @@ class OptimConfig:
     """Adam epsilon."""
     clip_grad_norm: float = 1.0
     """Global gradient-norm clip (0 disables)."""
+    mini_batches_per_step: int = 1
+    """Optimiser steps per epoch: the step's trees are split into this many mini-batches of whole
+    trees (balanced by tokens, deterministic); capped at (number of trees) / (data-parallel size)."""
+    epochs_per_step: int = 1
+    """Passes over the step's mini-batches. With 1 mini-batch and 1 epoch the update is on-policy
+    (the old log-probs are the current ones, so PPO's ratio is exactly 1)."""
 
     def validate(self) -> None:
         require(self.lr > 0, "lr", "must be > 0")
+        require(self.mini_batches_per_step >= 1, "mini_batches_per_step", "must be >= 1")
+        require(self.epochs_per_step >= 1, "epochs_per_step", "must be >= 1")
 
 
 @dataclass
@@ -237,25 +253,50 @@ class LossConfig:
     """Lower clip range of the ratio (None: the loss's default, 0.2; gspo 3e-4)."""
     clip_eps_high: Optional[float] = None
     """Upper clip range (None: the loss's default, 0.2; dapo clip-higher 0.28; gspo 4e-4)."""
-    aggregation: Optional[Literal["token_mean", "sequence_mean", "prompt_mean"]] = None
-    """Unit the loss is averaged over: tokens | sequences (root-to-leaf paths) | prompts (None: the loss's own)."""
+    dual_clip_c: Optional[float] = 3.0
+    """Dual-clip constant c > 1: for A < 0 the per-token loss is at most -c*A, so one token with a huge
+    ratio cannot dominate the batch (verl's clip_ratio_c, default 3); None disables."""
+    aggregation: Optional[Literal["token_mean", "sequence_mean", "prompt_mean", "seq_mean_token_sum_norm"]] = None
+    """Unit the loss is averaged over: tokens | sequences (root-to-leaf paths) | prompts |
+    sequences with a constant per-sequence normaliser (Dr.GRPO) (None: the loss's own)."""
+    seq_norm_tokens: Optional[int] = None
+    """seq_mean_token_sum_norm: the constant C each sequence's token sum is divided by
+    (None: rollout.max_total_tokens, filled in by the learner)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference."""
+    kl_clamp: Optional[float] = 10.0
+    """Clamp of the per-token k3 KL value to [0, kl_clamp] (verl's low_var_kl clamps at 10); None: no clamp.
+    The log-ratio inside it is always clamped to +-20 before exp."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
+    old_logprobs: Literal["learner", "behaviour"] = "learner"
+    """Log-probs the PPO ratio is taken against: learner (one no-grad learner forward before the first
+    update of the step) | behaviour (the rollout engine's sampling log-probs)."""
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance weights min(pi_old / pi_engine, cap) on the loss, correcting the
+    engine-vs-learner mismatch (docs/credit.md "Rollout importance correction"): per token, per
+    root-to-leaf path, or none. Needs old_logprobs: learner."""
+    rollout_is_cap: float = 2.0
+    """Cap C of the truncated importance weights (verl's rollout_is_threshold, default 2)."""
 
     def validate(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high"):
             v = getattr(self, name)
             require(v is None or v >= 0, name, "must be >= 0")
+        require(self.dual_clip_c is None or self.dual_clip_c > 1, "dual_clip_c", "must be > 1 (or null)")
+        require(self.seq_norm_tokens is None or self.seq_norm_tokens >= 1, "seq_norm_tokens", "must be >= 1")
         require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        require(self.kl_clamp is None or self.kl_clamp > 0, "kl_clamp", "must be > 0 (or null)")
+        require(self.rollout_is_cap >= 1, "rollout_is_cap", "must be >= 1")
+        require(self.rollout_is == "none" or self.old_logprobs == "learner", "rollout_is",
+                "corrects the learner's old log-probs against the engine's; needs old_logprobs: learner")
         _require_registered("name", "trace_mega.learner.losses", "LOSSES", self.name)
 
 
 @dataclass
 class AdvantageConfig:
     name: str = "tree"
-    """Advantage estimator registry name: grpo | tree | gigpo (the outcome term; credit.enabled adds TRACE-C)."""
+    """Advantage estimator registry name: grpo | rloo | tree | gigpo (the outcome term; credit.enabled adds TRACE-C)."""
     normalize_std: bool = False
     """Divide group-relative advantages by the group's reward std."""
     shared_token_weight: Literal["once", "per_leaf"] = "once"
@@ -269,7 +310,9 @@ class AdvantageConfig:
         require(0 < self.gigpo_gamma <= 1, "gigpo_gamma", "must be in (0, 1]")
         _require_registered("name", "trace_mega.learner.advantages", "ADVANTAGES", self.name)
         require(self.name != "trace_credit", "name",
-                "picks the outcome term (grpo | tree | gigpo); TRACE-C is switched on by credit.enabled")
+                "picks the outcome term (grpo | rloo | tree | gigpo); TRACE-C is switched on by credit.enabled")
+        require(not (self.name == "rloo" and self.normalize_std), "normalize_std",
+                "rloo's leave-one-out baseline is not std-normalised")
 
 
 @dataclass
@@ -282,8 +325,11 @@ class CreditConfig:
     """K of the truncated K-step TD backup."""
     gamma_td: float = 0.9
     """Discount of the look-ahead."""
-    mixing: Literal["anchored", "broadcast"] = "anchored"
-    """anchored: turn k gets beta * R_k, final turn beta * R_K + A_out; broadcast: every turn A_out + beta * R_k (docs/credit.md)."""
+    mixing: Literal["auto", "anchored", "broadcast"] = "auto"
+    """broadcast: every turn A_out + beta * R_k (with the tree outcome term every turn keeps its
+    branch-point contrasts); anchored (the paper's literal rule): turn k gets beta * R_k, the final
+    turn beta * R_K + A_out; auto: broadcast with advantage.name tree (TRACE-A + TRACE-C), anchored
+    otherwise (docs/credit.md)."""
     beta: float = 1.0
     """Weight of the turn credit."""
     answer_template: str = "\nFinal answer: "

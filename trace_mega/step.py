@@ -65,6 +65,8 @@ class StepBatch:
     """(P,) float64 predicted success of each candidate prefix."""
     continuations: Optional[torch.Tensor] = None
     """(P,) int64 k: continuations branched from each candidate prefix."""
+    root_continuations: Optional[torch.Tensor] = None
+    """(B,) int64: fresh rollouts from each candidate prompt's root, the budget no prefix could take."""
     node_ell: Optional[torch.Tensor] = None
     """(N,) TRACE-C probe ℓ̄ at the boundary after each node of the final layout (credit enabled)."""
     advantages: Optional["Advantages"] = None
@@ -105,5 +107,9 @@ class StepBatch:
         return self.prefixes
 
     def branch_points(self) -> list[tuple[int, int, int]]:
-        """(tree, node, k) of the planned continuations."""
-        return self.prefixes.branch_points(self.continuations.cpu())
+        """(tree, node, k) of the planned continuations: from prefixes, then from roots (node 0)."""
+        points = self.prefixes.branch_points(self.continuations.cpu())
+        if self.root_continuations is not None:
+            extra = self.root_continuations.cpu()[self.prompt_index].tolist()  # per tree
+            points += [(t, 0, int(e)) for t, e in enumerate(extra) if e > 0]
+        return points

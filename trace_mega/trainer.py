@@ -103,6 +103,8 @@ class Trainer:
                 batch.v_prefix = self._predict(batch, cand.node, allocator)                          # score prefixes
                 batch.continuations = allocator.plan_prefixes(batch.v_prefix, cand.r.to(batch.v_prefix),
                                                               cand.group.to(batch.v_prefix.device), batch.rollouts, gen)
+                # Budget no prefix could take: fresh rollouts, i.e. continuations from the root (node 0).
+                batch.root_continuations = allocator.plan_root_continuations(batch.rollouts, batch.continuations.cpu(), gen)
                 with timer("expand"):
                     self.rollouts.expand(batch, seed=2 * step + 1)                                   # expand
                 with timer("credit"):
@@ -114,9 +116,11 @@ class Trainer:
                 with timer("weight_sync"):
                     self.learner.sync_weights(self.rollouts.engine)                                  # sync
             metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
-            unspent = allocator.trajectories_per_step - int(batch.rollouts.sum() + batch.continuations.sum())
-            metrics |= {"alloc/fallback": float(allocator is not self.allocator), "alloc/budget_unspent": float(unspent),
-                        "data/prompt_hash": _hash(tasks)}
+            spent = int(batch.rollouts.sum() + batch.continuations.sum() + batch.root_continuations.sum())
+            metrics |= {"alloc/fallback": float(allocator is not self.allocator),
+                        "alloc/budget_unspent": float(allocator.trajectories_per_step - spent),
+                        "alloc/root_continuations": float(batch.root_continuations.sum()),
+                        "data/prompt_hash": _hash(tasks)} | allocator.metrics()
             # NaN (no previous fit to compare with) never triggers the fallback.
             self.use_fallback = (cfg.allocation.predictor_fallback and self.allocator.uses_predictor
                                  and metrics.get("predictor/skill", 0.0) < 0.0)

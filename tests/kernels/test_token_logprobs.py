@@ -391,3 +391,73 @@ def test_empty_stream(backend):
     assert lp.shape == ent.shape == (0,)
     (lp.sum() + ent.sum()).backward()
     assert h.grad.shape == (0, 8) and torch.all(w.grad == 0)
+
+
+# ----------------------------------------------------------------------------------
+# Padded vocabulary (V not divisible by TP): the padding rows are not part of the model
+# ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_padded_vocab_rows_are_excluded_and_get_no_gradient(backend):
+    T, V, H = 23, 97, 32
+    h, w, y = _problem(T, V, H, torch.float32)
+    g_lp, g_ent = torch.randn(T), torch.randn(T)
+    w_pad = torch.cat([w, torch.zeros(1, H)])  # the TP padding row (zeros: logit 0)
+    lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, with_entropy=True)
+    lp, ent, dh, dw = _run(token_logprobs, h, w_pad, y, g_lp, g_ent, with_entropy=True, backend=backend,
+                           vocab_size=V)
+    torch.testing.assert_close(lp, lr, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, er, atol=1e-5, rtol=0)
+    _close_grad(dh, dhr, 1e-4)
+    _close_grad(dw[:V], dwr, 1e-4)
+    assert dw[V:].abs().max() == 0  # no gradient to the padding
+    # without the true vocab the zero row joins the softmax: the error this guards against
+    bad = token_logprobs(h, w_pad, y, backend=backend)
+    assert (bad - lr).abs().max() > 1e-3
+
+
+def _padded_tp_worker(rank, world, port, backend, results):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        T, V, H = 29, 97, 32
+        h, w, y = _problem(T, V, H, torch.float32)
+        g_lp, g_ent = torch.randn(T, generator=torch.Generator().manual_seed(5)), \
+            torch.randn(T, generator=torch.Generator().manual_seed(6))
+        per = -(-V // world)  # 49 rows per rank: rank 1 holds 48 real rows and 1 padding row
+        w_pad = torch.cat([w, torch.zeros(per * world - V, H)])
+        ws = w_pad[rank * per:(rank + 1) * per].clone().requires_grad_()
+        hh = h.clone().requires_grad_()
+        lp, ent = token_logprobs(hh, ws, y, tp_group=dist.group.WORLD, vocab_start=rank * per,
+                                 with_entropy=True, backend=backend, vocab_size=V)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        results[rank] = (lp.detach(), ent.detach(), hh.grad.clone(), ws.grad.clone())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", TP_BACKENDS)
+def test_tp2_odd_vocab_matches_the_unpadded_reference(backend):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_padded_tp_worker, args=(2, _free_port(), backend, results), nprocs=2, join=True,
+                           start_method="spawn")
+        results = dict(results)
+    T, V, H = 29, 97, 32
+    h, w, y = _problem(T, V, H, torch.float32)
+    g_lp, g_ent = torch.randn(T, generator=torch.Generator().manual_seed(5)), \
+        torch.randn(T, generator=torch.Generator().manual_seed(6))
+    lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, with_entropy=True)
+    for rank in (0, 1):
+        lp, ent, dh, dws = results[rank]
+        torch.testing.assert_close(lp, lr, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, er, atol=1e-5, rtol=0)
+        _close_grad(dh, dhr, 1e-4)
+    _close_grad(torch.cat([results[0][3], results[1][3][:-1]]), dwr, 1e-4)
+    assert results[1][3][-1].abs().max() == 0

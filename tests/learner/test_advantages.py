@@ -36,7 +36,7 @@ def _by_local(p, node_adv, tree_index=0):
 
 
 def test_registry_names():
-    assert ADVANTAGES.names() == ["gigpo", "grpo", "trace_credit", "tree"]
+    assert ADVANTAGES.names() == ["gigpo", "grpo", "rloo", "trace_credit", "tree"]
     with pytest.raises(KeyError, match="valid names"):
         ADVANTAGES.get("ppo")
 
@@ -48,6 +48,24 @@ def test_tree_reduces_exactly_to_grpo_on_flat_trees(normalize_std):
     _, t = _node_adv("tree", trees, normalize_std=normalize_std)
     assert torch.equal(g.advantages, t.advantages)
     assert torch.equal(g.token_weight, t.token_weight)
+
+
+def test_rloo_is_the_leave_one_out_baseline():
+    trees = [_flat([1, 0, 0, 1], "a"), _flat([1, 1, 0], "b"), _flat([1], "c")]
+    p, a = _node_adv("rloo", trees)
+    expect = []
+    for rewards in ([1, 0, 0, 1], [1, 1, 0], [1]):
+        G = len(rewards)
+        expect += [r - (sum(rewards) - r) / (G - 1) if G > 1 else 0.0 for r in rewards]
+    assert torch.allclose(a.node_advantage[p.leaf_nodes], torch.tensor(expect))
+    # a shared node: the mean of its leaves' leave-one-out advantages
+    t = _tree([(0, 2, "tool", None), (1, 2, "final", 1), (1, 2, "final", 0), (0, 2, "final", 0)])
+    p, a = _node_adv("rloo", [t])
+    by = _by_local(p, a.node_advantage)
+    assert by[2] == pytest.approx(1 - 0 / 2) and by[3] == pytest.approx(0 - 1 / 2)
+    assert by[1] == pytest.approx((by[2] + by[3]) / 2)
+    with pytest.raises(ValueError, match="normalize_std"):
+        _node_adv("rloo", trees, normalize_std=True)
 
 
 def test_grpo_by_hand_with_and_without_std():
@@ -178,7 +196,7 @@ def test_trace_credit_composes_with_tree_by_hand():
     ra = math.log(4 / 3) + 0.25 * math.log(3 / 2)
     assert R.tolist() == pytest.approx([0, ra, 0, math.log(3 / 2), 0, 0])
     anchored = compute_advantages(p, [t], adv_cfg, CreditConfig(enabled=True, epsilon=1.0, gamma_td=0.5,
-                                                                lookahead_turns=2, beta=2.0), ell)
+                                                                lookahead_turns=2, beta=2.0, mixing="anchored"), ell)
     # internal turns: beta * R only; leaves (final turns): beta * R + A_out
     assert anchored.node_advantage.tolist() == pytest.approx(
         [0, 2 * ra, 0.75, 2 * math.log(3 / 2), -0.25, -0.25])
@@ -187,6 +205,48 @@ def test_trace_credit_composes_with_tree_by_hand():
     assert broadcast.node_advantage.tolist() == pytest.approx(
         [0, 0.25 + ra, 0.75, -0.25 + math.log(3 / 2), -0.25, -0.25])
     assert p.advantages is None  # returned, not stored in the layout
+
+
+def _flat_probe(p):
+    """ℓ̄ equal at every boundary (all δ = 0): NaN where a node has no boundary (final answers)."""
+    ids = torch.arange(p.num_nodes)
+    is_leaf = p.node_exit == ids
+    return torch.where(is_leaf, torch.tensor(float("nan")), torch.tensor(-2.0))
+
+
+@pytest.mark.parametrize("trees", [lambda: [_tree_b(), _tree_a()], lambda: [_flat([1, 0, 0, 1], "a"), _flat([1, 0])],
+                                   lambda: [_tree([(0, 2, "tool", None), (1, 2, "final", 1), (0, 2, "tool", None),
+                                                   (3, 2, "final", 0), (0, 2, "tool", None), (5, 2, "final", 0)])]],
+                         ids=["two-level trees", "flat groups", "flat multi-turn group"])
+def test_a_plus_c_default_keeps_every_branch_contrast_and_a_flat_probe_changes_nothing(trees):
+    trees = trees()
+    p = pack(trees)
+    ell = _flat_probe(p)
+    cfg = AdvantageConfig(name="tree")
+    off = ADVANTAGES.get("tree")(p, trees, cfg)
+    on = compute_advantages(p, trees, cfg, CreditConfig(enabled=True, beta=1.0), ell)
+    assert torch.equal(on.node_advantage, off.node_advantage) and torch.equal(on.advantages, off.advantages)
+    # the paper's literal rule zeroes the internal turns' contrasts (why it is not the A+C default)
+    lit = compute_advantages(p, trees, cfg, CreditConfig(enabled=True, mixing="anchored"), ell)
+    internal = (p.node_parent >= 0) & (p.node_exit != torch.arange(p.num_nodes))
+    assert bool((lit.node_advantage[internal] == 0).all())
+    if bool(internal.any()):  # single-turn groups have no internal turn
+        assert bool((off.node_advantage[internal] != 0).any())
+    # grpo (flat GRPO group) composes the same way under broadcast; under auto it keeps the paper's rule
+    g_off = ADVANTAGES.get("grpo")(p, trees, AdvantageConfig(name="grpo"))
+    g_on = compute_advantages(p, trees, AdvantageConfig(name="grpo"), CreditConfig(enabled=True, mixing="broadcast"), ell)
+    assert torch.equal(g_on.node_advantage, g_off.node_advantage)
+
+
+def test_a_plus_c_adds_beta_times_turn_credit_to_the_tree_term():
+    t = _credit_tree()
+    p = pack([t])
+    ell = torch.tensor([-3.0, -2.0, float("nan"), -1.0, float("nan"), float("nan")])
+    tree_adv = ADVANTAGES.get("tree")(p, [t], AdvantageConfig(name="tree")).node_advantage
+    R = node_turn_credit(p, ell, 1.0, 0.5, 2)
+    out = compute_advantages(p, [t], AdvantageConfig(name="tree"),
+                             CreditConfig(enabled=True, epsilon=1.0, gamma_td=0.5, lookahead_turns=2, beta=0.5), ell)
+    assert torch.allclose(out.node_advantage, tree_adv + 0.5 * R)
 
 
 def test_trace_credit_on_a_single_trajectory_matches_the_paper_formula():

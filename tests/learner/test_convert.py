@@ -1,6 +1,6 @@
 """HF <-> Megatron-Core conversion: log-prob parity with transformers and exact export (TP=1, TP=2/EP=2).
 
-Qwen3 (dense), Qwen3-MoE, Qwen2 (QKV bias) and Llama, random init, fp32, on a plain
+Qwen3 (dense), Qwen3-MoE, Qwen2 (QKV bias), Llama and a GeGLU Llama (hidden_act gelu), random init, fp32, on a plain
 batch and on a packed tree (checked against each root-to-leaf path run alone).
 """
 import pytest
@@ -11,7 +11,7 @@ from workers.common import packed_tree, path_indices, save_tiny_hf, torchrun, tr
 from trace_mega.learner.convert import HFCheckpoint
 
 pytestmark = pytest.mark.slow
-KINDS = ("dense", "moe", "qwen2", "llama")
+KINDS = ("dense", "moe", "qwen2", "llama", "llama_gelu")
 
 
 @pytest.fixture(scope="module")

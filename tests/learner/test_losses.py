@@ -59,6 +59,8 @@ def _direct(p, logp, kind, eps):
         lengths.append(e - s)
     if kind == "gspo":
         return torch.stack(terms).mean()
+    if kind == "seq_sum_norm":
+        return torch.stack([t.sum() / NORM for t in terms]).mean()
     if kind == "token_mean":
         return torch.cat(terms).sum() / sum(lengths)
     if kind == "sequence_mean":
@@ -76,14 +78,21 @@ CASES = [  # (loss name, aggregation, direct kind, (eps_low, eps_high) it must u
     ("ppo_clip_token", "prompt_mean", "prompt_mean", (0.2, 0.2)),
     ("dapo", None, "token_mean", (0.2, 0.28)),
     ("gspo", None, "gspo", (3e-4, 4e-4)),
+    ("ppo_clip_token", "seq_mean_token_sum_norm", "seq_sum_norm", (0.2, 0.2)),
 ]
+NORM = 16  # seq_norm_tokens of the Dr.GRPO aggregation in these tests
+
+
+def _cfg(name, agg, **kw):
+    return LossConfig(name=name, aggregation=agg, seq_norm_tokens=NORM if agg == "seq_mean_token_sum_norm" else None,
+                      **kw)
 
 
 @pytest.mark.parametrize("name,agg,kind,eps", CASES)
 def test_losses_match_direct_formulas_on_flat_data(name, agg, kind, eps):
     p, logp = _flat_batch()
     a = logp.clone().requires_grad_(True)
-    out = compute_loss(a, p, LossConfig(name=name, aggregation=agg))
+    out = compute_loss(a, p, _cfg(name, agg))
     out.loss.backward()
     b = logp.clone().requires_grad_(True)
     ref = _direct(p, b, kind, eps)
@@ -157,6 +166,8 @@ def _flattened(p, logp, kind, eps):
     ell = -torch.minimum(r * A, r.clamp(1 - eps[0], 1 + eps[1]) * A) * mf  # (L, S)
     if kind == "token_mean":
         return ell.sum() / mf.sum()
+    if kind == "seq_sum_norm":
+        return (ell.sum(1) / NORM).mean()
     if kind == "sequence_mean":
         return (ell.sum(1) / n).mean()
     tree = p.node_tree[f.leaf_node]
@@ -169,7 +180,7 @@ def test_packed_tree_with_per_leaf_weights_equals_flattened_paths(name, agg, kin
     p, logp = _shared_batch(_trees())
     assert p.compression_ratio() > 1.3  # the batch really shares prefixes
     a = logp.clone().requires_grad_(True)
-    out = compute_loss(a, p, LossConfig(name=name, aggregation=agg))
+    out = compute_loss(a, p, _cfg(name, agg))
     out.loss.backward()
     b = logp.clone().requires_grad_(True)
     ref = _flattened(p, b, kind, eps)
@@ -203,10 +214,11 @@ def test_once_weights_count_a_shared_token_once():
 
 
 @pytest.mark.parametrize("name,agg", [("ppo_clip_token", None), ("ppo_clip_token", "sequence_mean"),
-                                      ("ppo_clip_token", "prompt_mean"), ("gspo", None)])
+                                      ("ppo_clip_token", "prompt_mean"), ("gspo", None),
+                                      ("ppo_clip_token", "seq_mean_token_sum_norm")])
 def test_micro_batches_with_global_units_sum_to_the_batch_loss(name, agg):
     trees = _trees() + [_tree([(0, 2, 1), (0, 3, 0)], "z")]
-    cfg = LossConfig(name=name, aggregation=agg)
+    cfg = _cfg(name, agg)
     mode = aggregation_mode(cfg)
     p, logp = _shared_batch(trees, seed=3)
     full = compute_loss(logp, p, cfg).loss
@@ -232,9 +244,78 @@ def test_validation():
         compute_loss(logp, p, LossConfig(name="gspo", aggregation="token_mean"))
     with pytest.raises(ValueError, match="aggregation"):
         aggregation_coefficients(p, "batch_mean")
+    with pytest.raises(ValueError, match="seq_norm_tokens"):
+        compute_loss(logp, p, LossConfig(aggregation="seq_mean_token_sum_norm"))
     p.advantages = None
     with pytest.raises(ValueError, match="advantage"):
         compute_loss(logp, p, LossConfig())
+
+
+# --- numerical guards -------------------------------------------------------------------------
+def _all_loss_configs(**kw):
+    for name in LOSSES.names():
+        aggs = {"dapo": [None], "gspo": [None]}.get(name, [None, "sequence_mean", "prompt_mean",
+                                                           "seq_mean_token_sum_norm"])
+        for agg in aggs:
+            yield _cfg(name, agg, **kw)
+
+
+@pytest.mark.parametrize("dual_clip_c", [3.0, None])
+def test_extreme_ratios_give_finite_losses_and_gradients_in_every_loss(dual_clip_c):
+    p, _ = _shared_batch(_trees())
+    g = torch.Generator().manual_seed(5)
+    sign = torch.where(torch.rand(p.num_tokens, generator=g) < 0.5, -1.0, 1.0)
+    logp = p.behaviour_logprobs + torch.where(p.loss_mask, 90.0 * sign, 0.0)  # ratios e^±90
+    p.advantages = torch.where(p.loss_mask, torch.randn(p.num_tokens, generator=g), 0.0)  # both signs
+    ent = torch.rand(p.num_tokens, generator=g)
+    seen = set()
+    for cfg in _all_loss_configs(kl_coef=0.1, entropy_coef=0.01, dual_clip_c=dual_clip_c):
+        seen.add(cfg.name)
+        a = logp.clone().requires_grad_(True)
+        out = compute_loss(a, p, cfg, ref_logprobs=p.behaviour_logprobs, entropy=ent)
+        out.loss.backward()
+        assert torch.isfinite(out.loss), (cfg.name, cfg.aggregation)
+        assert bool(torch.isfinite(a.grad).all()), (cfg.name, cfg.aggregation)
+        assert all(bool(torch.isfinite(v)) for v in out.metrics.values()), (cfg.name, out.metrics)
+        if cfg.name != "gspo":  # a token ratio, clamped at e^20 (gspo's is a per-path mean)
+            assert float(out.metrics["ratio_max"]) == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert seen == set(LOSSES.names())
+
+
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage():
+    p, logp = _flat_batch()
+    tok = int(p.node_start[p.leaf_nodes[1]])  # path 1 has A = -2
+    lp = logp.clone()
+    lp[tok] = p.behaviour_logprobs[tok] + math.log(5.0)  # ratio 5 > c = 3
+    n = int(p.loss_mask.sum())
+    terms = {}
+    for c in (3.0, None):
+        a = lp.clone().requires_grad_(True)
+        out = compute_loss(a, p, LossConfig(dual_clip_c=c))
+        out.loss.backward()
+        terms[c] = (out.loss.item(), a.grad[tok].item(), out.metrics["dual_clip_fraction"].item())
+    base = compute_loss(lp, p, LossConfig(dual_clip_c=None)).loss.item()
+    # without dual-clip the token's loss is r|A| = 10; with c = 3 it is c|A| = 6, with no gradient
+    assert terms[None][0] - terms[3.0][0] == pytest.approx((10.0 - 6.0) / n, rel=1e-5)
+    assert terms[3.0][1] == 0.0 and terms[None][1] != 0.0
+    assert terms[3.0][2] == pytest.approx(1.0 / n) and terms[None][2] == 0.0
+    assert terms[None][0] == pytest.approx(base)
+
+
+def test_kl_clamp_bounds_the_k3_term():
+    lp = torch.tensor([0.0, 0.0])
+    ref = torch.tensor([5.0, 0.1])  # k3 = e^5 - 6 ≈ 142 and ≈ 0.005
+    assert torch.allclose(kl_k3(lp, ref, clamp=10.0), torch.stack([torch.tensor(10.0), kl_k3(lp, ref)[1]]))
+    assert kl_k3(lp, ref)[0] > 100
+    assert torch.isfinite(kl_k3(torch.zeros(1), torch.tensor([200.0])))  # q clamped to 20 before exp
+
+
+def test_ratio_metrics_report_the_max_and_k3_of_the_ratio():
+    p, logp = _flat_batch()
+    out = compute_loss(logp, p, LossConfig())
+    x = (logp - p.behaviour_logprobs)[p.loss_mask]
+    assert out.metrics["ratio_max"].item() == pytest.approx(math.exp(float(x.max())), rel=1e-6)
+    assert out.metrics["approx_kl"].item() == pytest.approx(float((x.exp() - 1 - x).mean()), rel=1e-5)
 
 
 # --- random trees ------------------------------------------------------------------------------
@@ -260,7 +341,7 @@ def test_per_leaf_packed_equals_flattened_on_random_trees(trees, case, seed):
     p, logp = _shared_batch(trees, seed)
     assert torch.equal(path_token_index(p), p.flatten().packed_index)
     a = logp.clone().requires_grad_(True)
-    out = compute_loss(a, p, LossConfig(name=name, aggregation=agg))
+    out = compute_loss(a, p, _cfg(name, agg))
     out.loss.backward()
     b = logp.clone().requires_grad_(True)
     ref = _flattened(p, b, kind, eps)

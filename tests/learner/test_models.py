@@ -122,3 +122,67 @@ def test_model_config_from_hf_families():
 
 def test_vocab_padding():
     assert [padded_vocab_size(v, tp) for v, tp in [(128, 2), (129, 2), (151936, 8), (7, 4)]] == [128, 130, 151936, 8]
+
+
+def _small(**kw):
+    return dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, **kw)
+
+
+@pytest.mark.parametrize("hf_act,ours", [("silu", "silu"), ("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh"),
+                                         ("gelu_new", "gelu_tanh"), ("relu", "relu")])
+def test_hidden_act_maps_to_the_same_function(hf_act, ours):
+    from transformers import LlamaConfig
+    from transformers.activations import ACT2FN
+
+    from trace_mega.learner.models import ACTIVATIONS, transformer_config
+    from trace_mega.config import ParallelConfig
+
+    mc = model_config_from_hf(LlamaConfig(**_small(hidden_act=hf_act)))
+    assert mc.activation == ours
+    fn = transformer_config(mc, ParallelConfig(device="cpu"), torch.device("cpu")).activation_func
+    x = torch.linspace(-6, 6, 1001)
+    assert fn is ACTIVATIONS[ours]
+    torch.testing.assert_close(fn(x), ACT2FN[hf_act](x), atol=1e-6, rtol=0)  # gelu_new: same formula, other op order
+
+
+def test_unsupported_hidden_act_is_refused_naming_the_field():
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match="hidden_act='quick_gelu'"):
+        model_config_from_hf(LlamaConfig(**_small(hidden_act="quick_gelu")))
+
+
+def test_sliding_window_attention_is_refused_naming_the_field():
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    with pytest.raises(ValueError, match=r"layer_types .*layers \[2, 3\].*sliding_window=64"):
+        model_config_from_hf(Qwen2Config(**_small(use_sliding_window=True, sliding_window=64, max_window_layers=2)))
+    with pytest.raises(ValueError, match="layer_types"):
+        model_config_from_hf(Qwen3Config(**_small(layer_types=["full_attention", "sliding_attention"] * 2,
+                                                  sliding_window=32, use_sliding_window=True)))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        model_config_from_hf(Qwen3MoeConfig(**_small(use_sliding_window=True, sliding_window=64, num_experts=4,
+                                                     num_experts_per_tok=2, moe_intermediate_size=32)))
+    # exact cases convert: the flag off (Qwen2.5's shipped configs: the window is then None), or a window
+    # no sequence reaches
+    model_config_from_hf(Qwen3Config(**_small(layer_types=["full_attention", "sliding_attention"] * 2,
+                                              sliding_window=32)))
+    model_config_from_hf(Qwen2Config(**_small(use_sliding_window=False, sliding_window=64, max_window_layers=2)))
+    model_config_from_hf(Qwen2Config(**_small(use_sliding_window=True, sliding_window=256, max_window_layers=2)))
+
+
+def test_qwen3_moe_top1_router_settings():
+    from transformers import Qwen3MoeConfig
+
+    from trace_mega.config import ConfigError, ModelConfig, ParallelConfig, load_config
+    from trace_mega.learner.models import transformer_config
+
+    moe = dict(num_experts=4, moe_intermediate_size=32, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match="num_experts_per_tok=1 with norm_topk_prob=true"):
+        model_config_from_hf(Qwen3MoeConfig(**_small(**moe, norm_topk_prob=True)))
+    mc = model_config_from_hf(Qwen3MoeConfig(**_small(**moe, norm_topk_prob=False)))
+    tc = transformer_config(mc, ParallelConfig(device="cpu"), torch.device("cpu"))
+    assert (tc.moe_router_topk, tc.moe_router_pre_softmax) == (1, True)  # HF: softmax over all, then top-1
+    with pytest.raises(ConfigError, match="moe_norm_topk_prob"):
+        load_config(ModelConfig, {"num_experts": 4, "moe_router_topk": 1})

@@ -15,7 +15,8 @@ Defined behaviour: when a group's caps sum to less than its budget, every
 prefix gets its cap and the group spends less (the result then sums to
 `min(budget[g], caps)`). A group with no prefixes spends nothing. Gain-0 units
 (q = 1: the outcome cannot flip) are taken only after every positive unit of
-the group. Ties go to the lower prefix index.
+the group. Ties go to the lower prefix index (the allocators break them at random by
+permuting the prefixes first).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def allocate_prefixes(
     check: bool = True,
     backend: str = "torch",
     max_group_size: Optional[int] = None,
+    taken: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact continuation counts K (LongTensor[P], on v's device); see the module doc.
 
@@ -71,6 +73,9 @@ def allocate_prefixes(
             max_rollouts * (turns - 1)). None reads the largest group back to the
             host once. With it, check=False runs with no host sync. Ignored
             with pool="global", where the one group is all P prefixes.
+        taken: (P,) long continuations each prefix already has (a second pass that
+            extends an earlier plan): the new units of p are its (taken_p + 1)-th, ...,
+            and `max_per_prefix` bounds taken_p + new. Returns the new units only.
     """
     if v.dim() != 1 or r.shape != v.shape or group.shape != v.shape:
         raise ValueError(f"v, r, group must be 1-D of one shape; got {tuple(v.shape)}, {tuple(r.shape)}, {tuple(group.shape)}")
@@ -101,6 +106,9 @@ def allocate_prefixes(
             raise ValueError(f"a group has more than max_group_size = {max_group_size} prefixes")
     flip = flip_probability(v.to(torch.float64), r)  # (P,) 1 - q
     cap = bud[grp]  # (P,) a prefix never needs more than its group's budget
-    if max_per_prefix is not None:
+    if max_per_prefix is not None and taken is None:
         cap = torch.clamp(cap, max=max_per_prefix)
-    return segmented_threshold(flip, grp, bud, cap, backend=backend, max_group_size=max_group_size)
+    elif max_per_prefix is not None:  # the cap bounds taken + new
+        cap = torch.minimum(cap, torch.clamp(max_per_prefix - taken.to(dev, torch.long), min=0))
+    return segmented_threshold(flip, grp, bud, cap, backend=backend, max_group_size=max_group_size,
+                               taken=None if taken is None else taken.to(dev, torch.long))

@@ -119,18 +119,15 @@ def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: in
     inf = torch.full((), torch.inf, dtype=torch.float64, device=v.device)
     a = U[:, 0]  # (B,) v(1-v)
 
-    # M1: the best next unit of an active prompt below the cap.
+    # M1: the best next unit of an active prompt below the cap. `max(dim=0)` returns the value
+    # and its index as device tensors: indexing with a 0-d tensor would read it to the host.
     nxt = U.gather(1, cp.clamp(max=max_rollouts - 1)[:, None]).squeeze(1)
-    d1_all = torch.where((cp >= 2) & (cp < max_rollouts), nxt, -inf)
-    i1 = torch.argmax(d1_all)
+    d1, i1 = torch.where((cp >= 2) & (cp < max_rollouts), nxt, -inf).max(0)
     # M2: activate the best inactive prompt l with 2 units, drop the cheapest last unit of a prompt with c' >= 3.
-    a_in = torch.where(cp == 0, a, -inf)
-    l = torch.argmax(a_in)
+    a_l, l = torch.where(cp == 0, a, -inf).max(0)
     last = U.gather(1, (cp - 1).clamp(min=0)[:, None]).squeeze(1)
-    rem_all = torch.where(cp >= 3, last, inf)
-    i2 = torch.argmin(rem_all)
-    d2 = 2.0 * a_in[l] - rem_all[i2]  # -inf when either side is missing
-    d1 = d1_all[i1]
+    rem, i2 = torch.where(cp >= 3, last, inf).min(0)
+    d2 = 2.0 * a_l - rem  # -inf when either side is missing
     use1 = (d1 >= d2).long()  # M1 on ties
     apply = (has_split & (torch.maximum(d1, d2) > -inf)).long()
     idx = torch.stack([i1, l, i2])

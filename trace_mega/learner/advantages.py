@@ -20,6 +20,10 @@ and is 0 for a group of one (no contrast).
 
 * ``grpo`` — the root group: every leaf of a tree, A_l = dev_tree(r_l). A shared node
   gets the mean over the leaves below it: A(g) = (1/n(g)) Σ_{l below g} A_l.
+* ``rloo`` — REINFORCE leave-one-out (Ahmadian et al. 2024) on the root group: every leaf's
+  baseline is the mean reward of the *other* leaves of its tree,
+      A_l = r_l − (1/(G−1)) Σ_{j≠l} r_j = G/(G−1) · (r_l − mean_tree(r)),
+  0 for a group of one, never divided by a std; a shared node gets the mean over its leaves.
 * ``tree`` — group-relative at every branch point, summed along the path. At a node b
   with children c_1 … c_m (m ≥ 2) the group is b's children and each child c gets
   e(c) = dev_{children(b)}(V(c)) (each child is one sampled continuation of H_b, so the
@@ -35,9 +39,10 @@ and is 0 for a group of one (no contrast).
   observation is its own state) form a group, and
       G(n)   = (1/n(n)) Σ_{l below n} γ^{depth(l) − depth(n)} r_l     (discounted return)
       A_S(n) = dev_anchor(n)(G(n)),    A(n) = A_E(n) + ω A_S(n).
-* ``trace_credit`` — TRACE-C (SPEC §4, credit.py): A(n) = mix(β R(n), A^out(n)) with
-  A^out from the estimator `AdvantageConfig.name` (grpo | tree | gigpo) and R(n) the
-  reference-probe turn credit; chosen by `CreditConfig.enabled`, so ``tree`` +
+* ``trace_credit`` — TRACE-C (docs/design.md §4, credit.py): A(n) = mix(β R(n), A^out(n)) with
+  A^out from the estimator `AdvantageConfig.name` (grpo | rloo | tree | gigpo) and R(n) the
+  reference-probe turn credit; the mix is `resolve_mixing` (A^out(n) + β R(n) on every turn
+  under ``tree``, so a flat probe, R = 0, gives exactly the credit-off advantages); chosen by `CreditConfig.enabled`, so ``tree`` +
   ``trace_credit`` (TRACE-A + TRACE-C) is `advantage.name: tree, credit.enabled: true`.
 """
 from __future__ import annotations
@@ -54,7 +59,7 @@ from trace_mega.rollout.tree import PackedTrees, RolloutTree
 
 __all__ = [
     "ADVANTAGES", "Advantages", "AdvantageFn", "compute_advantages", "leaf_mean",
-    "group_relative", "grpo", "tree", "gigpo", "trace_credit", "STD_EPS",
+    "group_relative", "grpo", "rloo", "tree", "gigpo", "trace_credit", "resolve_mixing", "STD_EPS",
 ]
 
 STD_EPS = 1e-6
@@ -150,6 +155,18 @@ def grpo(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig
     return _to_tokens(packed, _grpo_nodes(packed, cfg.normalize_std), cfg)
 
 
+@ADVANTAGES.register("rloo")
+def rloo(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig, **_) -> Advantages:
+    """Leave-one-out baseline within each tree's leaves; shared nodes get the mean of the leaves below."""
+    if cfg.normalize_std:
+        raise ValueError("rloo's leave-one-out baseline is not std-normalised; set advantage.normalize_std: false")
+    r = packed.leaf_reward.float()
+    group = packed.node_tree[packed.leaf_nodes]
+    dev = group_relative(r, group, packed.num_trees, normalize_std=False)  # r_l − mean, 0 for a lone leaf
+    G = r.new_zeros(packed.num_trees).index_add(0, group, torch.ones_like(r))[group]  # (L,) group sizes
+    return _to_tokens(packed, leaf_mean(packed, dev * G / (G - 1).clamp(min=1)), cfg)
+
+
 @ADVANTAGES.register("tree")
 def tree(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig, **_) -> Advantages:
     """Σ over the branch points on the path of the child's group-relative value (module docstring)."""
@@ -196,6 +213,15 @@ def gigpo(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfi
     return _to_tokens(packed, episode + cfg.gigpo_step_weight * step, cfg)
 
 
+def resolve_mixing(credit: CreditConfig, cfg: AdvantageConfig) -> str:
+    """The credit mixing in force: `credit.mixing`, with "auto" = broadcast under the `tree` outcome
+    term (anchored would zero the branch-point contrasts of every internal turn: docs/credit.md)
+    and anchored (the paper's rule) under the others."""
+    if credit.mixing != "auto":
+        return credit.mixing
+    return "broadcast" if cfg.name == "tree" else "anchored"
+
+
 @ADVANTAGES.register("trace_credit")
 def trace_credit(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig, *,
                  credit: Optional[CreditConfig] = None, node_ell: Optional[torch.Tensor] = None,
@@ -212,7 +238,7 @@ def trace_credit(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: Advanta
     R = node_turn_credit(packed, node_ell, credit.epsilon, credit.gamma_td, credit.lookahead_turns)
     ids = torch.arange(packed.num_nodes, device=packed.node_exit.device)
     is_final = (packed.node_exit == ids) & (packed.node_parent >= 0)  # (N,) leaves: last turns
-    node_adv = mix_turn_advantages(R, outcome.node_advantage, is_final, credit.mixing, credit.beta)
+    node_adv = mix_turn_advantages(R, outcome.node_advantage, is_final, resolve_mixing(credit, cfg), credit.beta)
     return _to_tokens(packed, node_adv, cfg)
 
 

@@ -15,9 +15,10 @@ cut off without an answer (its last turn a tool call or an error) has K = T.
 Turn k (0-based; it starts from S_k) is the transition S_k → S_{k+1}, so it earns δ_k and,
 discounted, the δ of the next h − 1 turns. The final-answer turn has index K: no
 boundary follows it, so R_K = 0 by the truncation. Mixing with the outcome advantage
-A^out of the trajectory (`CreditConfig.mixing`):
-    anchored (default):  A_k = β R_k for k < T−1,   A_{T−1} = β R_{T−1} + A^out
-    broadcast:           A_k = A^out + β R_k for every turn
+A^out of the trajectory (`CreditConfig.mixing`; "auto" picks broadcast under the tree outcome
+term, anchored otherwise, advantages.resolve_mixing):
+    anchored (the paper's rule):  A_k = β R_k for k < T−1,   A_{T−1} = β R_{T−1} + A^out
+    broadcast:                    A_k = A^out + β R_k for every turn
 Under anchored the answer turn gets exactly A^out (its R is 0); a trajectory cut off
 after a tool call gets that call's credit plus A^out on its last turn. Turn credit is
 never normalised across the prompt group.

@@ -8,27 +8,32 @@ the KL term or TRACE-C needs it), and exposes what the step loop needs:
   predictor's value head (one forward, no grad), once per layout;
 * `probe(batch, tokenize, template)` — TRACE-C's ℓ̄ at every tool boundary from
   the reference (one packed forward per group of trees);
-* `train_step(batch)` — one optimiser step on packed micro-batches of whole
-  trees with `batch.advantages`; it leaves the training forward's detached
-  hidden states (the step's pre-update weights) in `batch.hidden`, so the
-  predictor fits without another policy forward (docs/step.md);
+* `train_step(batch)` — the step's policy update: epochs x mini-batches of whole
+  trees with `batch.advantages`, one optimiser step each; it leaves the step's
+  hidden states under the pre-update weights in `batch.hidden` (from the training
+  forward when the update is on-policy, else from the no-grad old-log-prob
+  forward), so the predictor fits without another policy forward (docs/step.md);
+* `old_logprobs(packed, return_hidden)` — one no-grad policy forward: the log-probs of the
+  loss tokens (the PPO reference) and optionally every token's hidden state;
 * `sync_weights(engine)` — the in-memory weight sync to a rollout engine (the
   collective HF-named export runs on every rank); `save` / `load` — megatron
   dist checkpoints.
 
-Micro-batches hold whole trees (so every group-relative quantity is local to
-one micro-batch) and are split over data-parallel ranks; each is padded to a
-multiple of the TP size with one padding node that attends only to itself and
-carries no loss. One policy update per batch of rollouts (on-policy): the PPO
-ratio is taken against the learner's own detached log-probs, so it is 1 in
-value and its gradient is the policy gradient; the engine's behaviour
-log-probs stay on the tree and their mismatch with the learner's is logged.
+Mini-batches and micro-batches hold whole trees (so every group-relative quantity is local
+to one micro-batch); micro-batches are split over data-parallel ranks, and each is padded to a
+multiple of the TP size with one padding node that attends only to itself and carries no loss.
+The PPO ratio is taken against the policy before the step's first update (`loss.old_logprobs:
+learner`) or the engine's sampling log-probs (`behaviour`); with one mini-batch and one epoch
+the learner's old log-probs are the current ones detached (ratio 1, the on-policy gradient).
+Rollout importance weights (`loss.rollout_is`) correct for the engine-vs-learner mismatch
+(docs/credit.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,7 +43,7 @@ from trace_mega.learner.attention import tree_attention_mask
 from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trace_mega.learner.convert import export_hf, load_hf_into, save_hf
 from trace_mega.learner.logprobs import packed_token_logprobs
-from trace_mega.learner.losses import aggregation_mode, compute_loss, unit_count
+from trace_mega.learner.losses import aggregation_mode, compute_loss, rollout_is_weights, unit_count
 from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight, unwrap
 from trace_mega.learner.optim import build_optimizer, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
@@ -49,6 +54,61 @@ if TYPE_CHECKING:
     from trace_mega.learner.advantages import Advantages
     from trace_mega.rollout.engines import Engine
     from trace_mega.step import StepBatch
+
+def balanced_bins(sizes: Sequence[int], n: int) -> list[list[int]]:
+    """Indices 0..len(sizes)-1 in `n` bins of near-equal total size, deterministically.
+
+    Largest first into the least-loaded bin (ties: the lower index, the lower bin); each bin's
+    indices are returned in ascending order. Used for mini-batches (n = mini-batches per step)
+    and for micro-batches (n = DP size x micro-batches per rank).
+    """
+    bins: list[list[int]] = [[] for _ in range(max(n, 1))]
+    load = [0] * len(bins)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        b = min(range(len(bins)), key=lambda b: (load[b], b))
+        bins[b].append(i)
+        load[b] += sizes[i]
+    return [sorted(b) for b in bins]
+
+
+def _tree_token_ranges(packed: PackedTrees) -> tuple[list[int], list[int]]:
+    """[start, end) of every tree's tokens in the packed stream."""
+    start = packed.node_start[packed.tree_node_offset[:-1]].tolist()
+    return start, start[1:] + [packed.num_tokens]
+
+
+_SUM_KEYS = ("loss_sum", "num_tokens", "mask_tokens")
+
+
+def _step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of one trainer step from its optimiser steps' reduced metrics.
+
+    Sums (``*_sum`` over units, ``*_tok_sum`` over loss tokens) are added up over the steps and
+    normalised once; maxima are maxima; grad_norm is the mean, lr the last, skipped the count.
+    """
+    total: dict[str, float] = {}
+    for raw in steps:
+        for k, v in raw.items():
+            if k.endswith("_max"):
+                total[k] = max(total.get(k, -math.inf), v)
+            elif k.endswith("_sum") or k in _SUM_KEYS:
+                total[k] = total.get(k, 0.0) + v
+    units = max(total.pop("num_tokens"), 1e-12)
+    tokens = max(total.pop("mask_tokens"), 1.0)
+    out = {"loss/total": total.pop("loss_sum") / units, "loss/units": units,
+           "loss/grad_norm": sum(r["grad_norm"] for r in steps) / len(steps), "loss/lr": steps[-1]["lr"],
+           "loss/skipped": sum(r["skipped"] for r in steps), "loss/optimizer_steps": float(len(steps))}
+    out["loss/logprob_mismatch"] = total.pop("mismatch_tok_sum") / tokens
+    out["loss/token_entropy"] = total.pop("entropy_tok_sum") / tokens
+    for k, v in total.items():
+        if k.endswith("_tok_sum"):
+            out[f"loss/{k.removesuffix('_tok_sum')}"] = v / tokens
+        elif k.endswith("_sum"):
+            out[f"loss/{k.removesuffix('_sum')}"] = v / units
+        else:
+            out[f"loss/{k}"] = v
+    return out
+
 
 def resolve_model_config(cfg: TrainConfig):
     """The `ModelConfig` in force: from the HF checkpoint's config.json when one is given."""
@@ -71,6 +131,7 @@ def hf_config(model_cfg) -> Any:
         head_dim=model_cfg.head_dim, max_position_embeddings=model_cfg.max_position_embeddings,
         rms_norm_eps=model_cfg.norm_epsilon, tie_word_embeddings=model_cfg.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(model_cfg.rotary_base)},
+        hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(model_cfg.activation, model_cfg.activation),
         attention_bias=False, torch_dtype="float32",
     )
     if not model_cfg.qk_layernorm:
@@ -78,7 +139,7 @@ def hf_config(model_cfg) -> Any:
     if model_cfg.num_experts:
         return Qwen3MoeConfig(num_experts=model_cfg.num_experts, num_experts_per_tok=model_cfg.moe_router_topk,
                               moe_intermediate_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
-                              norm_topk_prob=True, **common)
+                              norm_topk_prob=model_cfg.moe_norm_topk_prob, **common)
     return Qwen3Config(**common)
 
 
@@ -126,17 +187,9 @@ class Learner:
     def hidden_size(self) -> int:
         return self.model_cfg.hidden_size
 
-    def _lm_head(self, net: torch.nn.Module) -> tuple[torch.Tensor, int]:
-        """This TP rank's LM-head rows of real tokens and the vocab id of its first row.
-
-        The vocabulary is padded to a multiple of the TP size; the padding rows are cut
-        off (a view, so gradients still reach the weight), so that every log-softmax
-        normalises over the true vocabulary only, as the HF model and the engines do.
-        """
-        weight = output_weight(net)  # (V_padded / tp, H)
-        start = self.groups.tp_rank * weight.shape[0]
-        real = max(0, min(weight.shape[0], unwrap(net).true_vocab_size - start))
-        return weight[:real], start
+    def _vocab_start(self, net: torch.nn.Module) -> int:
+        """Vocab id of this TP rank's first LM-head row (the vocabulary is padded to a multiple of TP)."""
+        return self.groups.tp_rank * output_weight(net).shape[0]
 
     def _inputs(self, packed: PackedTrees, trees: slice = slice(None)) -> tuple[torch.Tensor, ...]:
         """(1, Tp) ids and positions and the (2, 1, Tp) tree mask of `packed`'s trees `trees`,
@@ -180,14 +233,18 @@ class Learner:
             batch.hidden = self.hidden_states(batch.packed)
         return batch.hidden
 
+    def _logprobs(self, hidden: torch.Tensor, net: torch.nn.Module, packed: PackedTrees, **kw):
+        """Log-probs (and with_entropy, entropies) of `packed`'s loss tokens from `net`'s LM head
+        on `hidden` (T, H): vocab-parallel, the TP padding rows excluded (`vocab_size`)."""
+        return packed_token_logprobs(hidden, output_weight(net), packed, tp_group=self.groups.pgs.tp,
+                                     vocab_start=self._vocab_start(net), vocab_size=self.model_cfg.vocab_size, **kw)
+
     @torch.no_grad()
     def token_logprobs(self, packed: PackedTrees, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
         """(T,) log-probs of `packed`'s loss-mask tokens under `model` (default: the policy), 0 elsewhere."""
         net = self.policy if model is None else model
         ids, pos, mask = self._inputs(packed)
-        hidden = forward_packed(net, ids, pos, mask, output="hidden")[0, : packed.num_tokens]
-        weight, start = self._lm_head(net)
-        return packed_token_logprobs(hidden, weight, packed, tp_group=self.groups.pgs.tp, vocab_start=start)
+        return self._logprobs(forward_packed(net, ids, pos, mask, output="hidden")[0, : packed.num_tokens], net, packed)
 
     @torch.no_grad()
     def probe(self, batch: "StepBatch", tokenize: Callable[[str], list[int]], template: str) -> torch.Tensor:
@@ -195,106 +252,155 @@ class Learner:
         from the frozen reference."""
         if self.reference is None:
             raise RuntimeError("no reference model: TRACE-C needs credit.enabled at construction")
-        weight, start = self._lm_head(self.reference)
         return reference_probe(
             megatron_packed_forward(self.reference), batch.trees, tokenize, template,
-            output_weight=weight, tp_group=self.groups.pgs.tp,
-            vocab_start=start, max_tokens=self.cfg.parallel.micro_batch_tokens,
-            max_answer_tokens=self.cfg.credit.max_answer_tokens,
+            output_weight=output_weight(self.reference), tp_group=self.groups.pgs.tp,
+            vocab_start=self._vocab_start(self.reference), max_tokens=self.cfg.parallel.micro_batch_tokens,
+            max_answer_tokens=self.cfg.credit.max_answer_tokens, vocab_size=self.model_cfg.vocab_size,
         ).for_packed(batch.packed)
 
     # --- training ------------------------------------------------------------------
-    def _micro_batches(self, packed: PackedTrees, adv: "Advantages") -> list[tuple[PackedTrees, torch.Tensor]]:
-        """This DP rank's micro-batches of whole trees cut from `packed`, each with its stream
-        indices in `packed` (T_mb,) and the slice of `adv` it trains on.
+    @torch.no_grad()
+    def old_logprobs(self, packed: PackedTrees, return_hidden: bool = False):
+        """(T,) policy log-probs of `packed`'s loss tokens (no grad), and with `return_hidden` the
+        (T, H) final hidden states of every token they came from (for the predictor's value head).
 
-        Trees are placed largest first into dp * n bins (n = micro-batches per
-        rank, from the token budget) by least load; rank r takes bins r::dp so
-        every rank runs the same number of micro-batches.
+        Pass the log-probs to `train_step(..., old_logprobs=...)` to reuse this forward as the PPO
+        reference; the forward is chunked like `hidden_states`.
+        """
+        hidden = self.hidden_states(packed)
+        lp = self._logprobs(hidden, self.policy, packed)
+        return (lp, hidden) if return_hidden else lp
+
+    @torch.no_grad()
+    def _micro_forward(self, batch: dict) -> torch.Tensor:
+        """(T_mb,) no-grad policy log-probs of one prepared micro-batch; its hidden states go to
+        the batch's `hidden_out` rows (the step's layout under the pre-update weights)."""
+        mb: PackedTrees = batch["packed"]
+        hidden = forward_packed(self.policy, batch["input_ids"], batch["position_ids"], batch["tree_mask"],
+                                output="hidden")[0, : mb.num_tokens]
+        out_hidden, idx = batch.pop("hidden_out")
+        out_hidden[idx] = hidden.to(out_hidden.dtype)
+        return self._logprobs(hidden, self.policy, mb)
+
+    def _micro_batches(self, packed: PackedTrees, adv: "Advantages",
+                       tree_ids: Sequence[int]) -> list[tuple[PackedTrees, torch.Tensor]]:
+        """This DP rank's micro-batches of the trees `tree_ids`: (pack, stream positions in `packed`).
+
+        The trees are binned by tokens into dp * n bins (`balanced_bins`, n = micro-batches per
+        rank from the token budget, never more bins than trees: an empty one cannot run); rank r
+        takes bins r::dp so every rank runs the same number of micro-batches. Advantages and token
+        weights are sliced from `adv`.
         """
         g = self.groups
-        node_off = packed.tree_node_offset
-        start = packed.node_start[node_off[:-1]]
-        end = torch.cat([start[1:], torch.tensor([packed.num_tokens])])
-        sizes = (end - start).tolist()
+        start, end = _tree_token_ranges(packed)
+        sizes = [end[i] - start[i] for i in tree_ids]
         n = max(1, math.ceil(sum(sizes) / (g.dp_size * self.cfg.parallel.micro_batch_tokens)))
-        n = min(n, max(1, packed.num_trees // g.dp_size))  # never more bins than trees: an empty one cannot run
-        bins: list[list[int]] = [[] for _ in range(g.dp_size * n)]
-        load = [0] * len(bins)
-        for i in sorted(range(packed.num_trees), key=lambda i: -sizes[i]):
-            b = min(range(len(bins)), key=lambda b: load[b])
-            bins[b].append(i)
-            load[b] += sizes[i]
+        n = min(n, max(1, len(tree_ids) // g.dp_size))
         out = []
-        for b in bins[g.dp_rank:: g.dp_size]:
-            b.sort()
-            mb, idx = packed.select(b), packed.tree_tokens(b)
+        for b in balanced_bins(sizes, g.dp_size * n)[g.dp_rank:: g.dp_size]:
+            ids = [tree_ids[j] for j in b]
+            mb, idx = packed.select(ids), packed.tree_tokens(ids)
             # The loss reads its per-token inputs off the micro-batch it is given.
             mb.advantages, mb.token_weight = adv.advantages[idx], adv.token_weight[idx]
             out.append((mb, idx))
         return out
 
-    def train_step(self, step: "StepBatch") -> dict[str, float]:
-        """One optimiser step over the step's trees with `step.advantages`; sets `step.hidden`."""
+    def train_step(self, step: "StepBatch", old_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """The step's policy update over `step.trees` with `step.advantages`; sets `step.hidden`.
+
+        `optim.epochs_per_step` passes over `optim.mini_batches_per_step` mini-batches of whole
+        trees (`balanced_bins` on tree tokens), one optimiser step each; every DP rank takes part
+        in every step (its share of each mini-batch), so the distributed optimizer's collectives
+        line up. The PPO ratio is taken against `loss.old_logprobs`:
+        * learner — the policy before the first update: `old_logprobs` (T,) when given (from
+          `Learner.old_logprobs`), else one no-grad forward per micro-batch before the first
+          step. With one mini-batch and one epoch nothing is off-policy, so the current
+          log-probs, detached, are the old ones (no extra forward; the update is the plain
+          policy gradient, identical to a single on-policy step);
+        * behaviour — the rollout engine's sampling log-probs stored on the trees.
+        `loss.rollout_is` multiplies the surrogate by truncated weights min(π_old/π_engine, C).
+        Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima).
+        """
         if step.advantages is None:
             raise ValueError("run an advantage estimator on the step first (StepBatch.advantages)")
-        packed = step.packed
-        unit = aggregation_mode(self.cfg.loss)
-        # (T, H) hidden states of the whole layout, filled by the loss of every micro-batch.
+        opt, lc = self.cfg.optim, self.cfg.loss
+        packed, unit = step.packed, aggregation_mode(lc)
+        start, end = _tree_token_ranges(packed)
+        # At most one mini-batch per dp_size trees: every rank needs a tree in every mini-batch.
+        n_mini = max(1, min(opt.mini_batches_per_step, packed.num_trees // self.groups.dp_size))
+        minis = balanced_bins([e - s for s, e in zip(start, end)], n_mini)
+        single_update = len(minis) == 1 and opt.epochs_per_step == 1
+        on_policy = lc.old_logprobs == "learner" and single_update
+        # (T, H) hidden states of the whole layout under the pre-update weights, for the predictor:
+        # filled by the training forward of a single update, else by a no-grad forward first.
         hidden = torch.zeros(packed.num_tokens, self.hidden_size, device=self.groups.device,
                              dtype=getattr(torch, self.model_cfg.params_dtype))
-        batches = []
-        for mb, idx in self._micro_batches(packed, step.advantages):
-            ids, pos, mask = self._inputs(mb)
-            batch = {"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb,
-                     "hidden_out": (hidden, idx.to(hidden.device))}
-            if self.reference is not None and self.cfg.loss.kl_coef > 0:
-                batch["ref_logprobs"] = self.token_logprobs(mb, self.reference)
-            batches.append(batch)
-        raw = train_step(self.chunks, self.optimizer, self.scheduler, batches, self._loss_fn(unit),
-                         self.groups, output="hidden")
+        plans = []
+        for ids in minis:  # every micro-batch of every mini-batch, prepared before any update
+            batches = []
+            for mb, idx in self._micro_batches(packed, step.advantages, ids):
+                ids_t, pos, mask = self._inputs(mb)
+                batch = {"input_ids": ids_t, "position_ids": pos, "tree_mask": mask, "packed": mb,
+                         "hidden_out": (hidden, idx.to(hidden.device))}
+                if self.reference is not None and lc.kl_coef > 0:
+                    batch["ref_logprobs"] = self.token_logprobs(mb, self.reference)
+                if not single_update:
+                    lp = self._micro_forward(batch)  # pops hidden_out: later forwards are post-update
+                    if lc.old_logprobs == "learner":
+                        batch["old_logprobs"] = lp if old_logprobs is None else old_logprobs[idx.to(old_logprobs.device)]
+                batches.append(batch)
+            plans.append(batches)
+        loss_fn = self._loss_fn(unit, on_policy)
+        steps = [train_step(self.chunks, self.optimizer, self.scheduler, batches, loss_fn, self.groups,
+                            output="hidden")
+                 for _ in range(opt.epochs_per_step) for batches in plans]
         step.hidden = self._share_hidden(hidden)
-        units = max(raw.pop("num_tokens"), 1e-12)
-        out = {"loss/total": raw.pop("loss_sum") / units, "loss/grad_norm": raw.pop("grad_norm"),
-               "loss/lr": raw.pop("lr"), "loss/skipped": raw.pop("skipped"), "loss/units": units}
-        raw.pop("loss", None)
-        mask_tokens = max(raw.pop("mask_tokens"), 1.0)
-        out["loss/logprob_mismatch"] = raw.pop("mismatch_sum") / mask_tokens
-        out["loss/token_entropy"] = raw.pop("entropy_tok_sum") / mask_tokens
-        for k, v in raw.items():  # unit-weighted sums of the loss metrics
-            out[f"loss/{k.removesuffix('_sum')}"] = v / units
-        return out
+        return _step_metrics(steps)
 
     def _share_hidden(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """The training forward's hidden states of the whole layout on every rank: each DP rank
-        filled the rows of its own micro-batches (the others are 0, so the sum is exact); TP ranks
-        hold the same rows. None with pipeline stages (only the last one ran the loss)."""
+        """The step's hidden states of the whole layout on every rank: each DP rank filled the rows
+        of its own micro-batches (the others are 0, so the sum is exact); TP ranks hold the same
+        rows. None with pipeline stages (only the last one ran the loss)."""
         if self.groups.pp_size > 1:
             return None
         if self.groups.dp_size > 1:
             dist.all_reduce(hidden, group=self.groups.pgs.dp_cp)
         return hidden
 
-    def _loss_fn(self, unit: str):
-        cfg, g = self.cfg.loss, self.groups
+    def _loss_fn(self, unit: str, on_policy: bool):
+        cfg = self.cfg.loss
+        if cfg.aggregation == "seq_mean_token_sum_norm" and cfg.seq_norm_tokens is None:
+            cfg = dataclasses.replace(cfg, seq_norm_tokens=self.cfg.rollout.max_total_tokens)
 
         def loss_fn(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
             mb: PackedTrees = batch["packed"]
             h = hidden[0, : mb.num_tokens]  # (T, H)
-            # Detached copy for the predictor: the step's hidden states under the pre-update weights.
-            out_hidden, idx = batch["hidden_out"]
-            out_hidden[idx] = h.detach().to(out_hidden.dtype)
+            if "hidden_out" in batch:  # a single update: its forward runs under the pre-update weights
+                out_hidden, idx = batch["hidden_out"]
+                out_hidden[idx] = h.detach().to(out_hidden.dtype)
             # Under sequence parallelism the model's hidden-state gather already sums the
             # hidden gradient over TP in its backward; the kernel must not sum it again.
-            weight, start = self._lm_head(self.chunks[0])
-            lp, ent = packed_token_logprobs(h, weight, mb, tp_group=g.pgs.tp, vocab_start=start, with_entropy=True,
-                                            reduce_grad_hidden=not self.policy.config.sequence_parallel)
-            out = compute_loss(lp, mb, cfg, old_logprobs=lp.detach(), ref_logprobs=batch.get("ref_logprobs"),
-                               entropy=ent)
-            units = unit_count(mb, unit).to(lp)
+            lp, ent = self._logprobs(h, self.chunks[0], mb, with_entropy=True,
+                                     reduce_grad_hidden=not self.policy.config.sequence_parallel)
+            behaviour = mb.behaviour_logprobs.to(lp)
+            old = (lp.detach() if on_policy else batch["old_logprobs"]) if cfg.old_logprobs == "learner" else behaviour
             mask = mb.loss_mask.to(lp.device)
-            metrics = {f"{k}_sum": v.detach().float() * units for k, v in out.metrics.items()}
-            metrics["mismatch_sum"] = ((lp.detach() - mb.behaviour_logprobs.to(lp)).abs() * mask).sum()
+            metrics = {}
+            is_w = None
+            if cfg.rollout_is != "none":
+                is_w, is_m = rollout_is_weights(old, behaviour, mb, cfg.rollout_is, cfg.rollout_is_cap)
+                metrics = {"rollout_is_mean_tok_sum": is_m["rollout_is_mean"] * mask.sum(),
+                           "rollout_is_capped_fraction_tok_sum": is_m["rollout_is_capped_fraction"] * mask.sum(),
+                           "rollout_is_max": is_m["rollout_is_max"]}
+            out = compute_loss(lp, mb, cfg, old_logprobs=old, ref_logprobs=batch.get("ref_logprobs"),
+                               entropy=ent, is_weights=is_w)
+            units = unit_count(mb, unit).to(lp)
+            for k, v in out.metrics.items():  # unit-weighted sums (maxima stay maxima)
+                metrics[k if k.endswith("_max") else f"{k}_sum"] = v.detach().float() * (1 if k.endswith("_max") else units)
+            # engine-vs-learner mismatch at the rollout weights (the current ones when on-policy)
+            ref_lp = lp.detach() if cfg.old_logprobs == "behaviour" else old
+            metrics["mismatch_tok_sum"] = ((ref_lp - behaviour).abs() * mask).sum()
             metrics["entropy_tok_sum"] = (ent.detach() * mask).sum()
             metrics["mask_tokens"] = mask.sum().float()
             return out.loss * units, units, metrics

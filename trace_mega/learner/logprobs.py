@@ -53,6 +53,7 @@ def packed_token_logprobs(
     temperature: float = 1.0,
     backend: str = "auto",
     reduce_grad_hidden: bool = True,
+    vocab_size: Optional[int] = None,
 ):
     """Log-prob of every selected stream token under the logits at its `prev_index`.
 
@@ -70,6 +71,8 @@ def packed_token_logprobs(
             backward. Pass False when `hidden` came through a Megatron region whose backward
             already sums over TP (the sequence-parallel gather of `TreeGPTModel`), or the
             gradient is counted once per rank.
+        vocab_size: the true (unpadded) vocabulary: rows of `output_weight` at global ids >=
+            vocab_size (the TP padding) are left out of the softmax and get no gradient.
 
     Returns:
         logprobs (T,) fp32, 0 on unselected tokens; and entropy (T,) fp32 with `with_entropy`.
@@ -86,7 +89,7 @@ def packed_token_logprobs(
     out = token_logprobs(
         rows, output_weight, targets, tp_group=tp_group, vocab_start=vocab_start,
         with_entropy=with_entropy, temperature=temperature, backend=backend,
-        reduce_grad_hidden=reduce_grad_hidden,
+        reduce_grad_hidden=reduce_grad_hidden, vocab_size=vocab_size,
     )
     if not with_entropy:
         return _scatter(out, sel, T)
@@ -104,6 +107,7 @@ def flat_token_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     backend: str = "auto",
+    vocab_size: Optional[int] = None,
 ):
     """The same log-probs for the one-row-per-path layout: row b, column s is predicted at s - 1.
 
@@ -123,7 +127,7 @@ def flat_token_logprobs(
     targets = flat.tokens.to(hidden.device).reshape(-1).index_select(0, sel)
     out = token_logprobs(
         rows, output_weight, targets, tp_group=tp_group, vocab_start=vocab_start,
-        with_entropy=with_entropy, temperature=temperature, backend=backend,
+        with_entropy=with_entropy, temperature=temperature, backend=backend, vocab_size=vocab_size,
     )
     if not with_entropy:
         return _scatter(out, sel, L * S).view(L, S)

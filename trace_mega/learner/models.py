@@ -39,10 +39,23 @@ from trace_mega.learner.attention import TreeCoreAttention
 
 __all__ = [
     "RMSNorm", "TreeGPTModel", "transformer_config", "layer_spec", "build_model", "padded_vocab_size",
-    "forward_packed", "output_weight", "model_config_from_hf", "unwrap",
+    "forward_packed", "output_weight", "model_config_from_hf", "unwrap", "ACTIVATIONS", "HF_ACTIVATIONS",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": F.relu}
+"""`ModelConfig.activation` -> the function megatron's gated MLP applies to the gate half."""
+
+# HF `hidden_act` -> ModelConfig.activation: exactly the same function (transformers' ACT2FN), so
+# the conversion is exact. Every other value is refused at load.
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                  "gelu_new": "gelu_tanh", "relu": "relu"}
 
 
 class RMSNorm(torch.nn.Module):
@@ -79,6 +92,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, device: tor
     """megatron `TransformerConfig` for `model` under `parallel` on `device`."""
     dtype = _DTYPES[model.params_dtype]
     moe = model.num_experts is not None
+    if moe and model.moe_router_topk == 1 and model.moe_norm_topk_prob:
+        raise ValueError("model.moe_norm_topk_prob with moe_router_topk 1 (HF norm_topk_prob at num_experts_per_tok "
+                         "1): megatron-core's top-1 router is pre-softmax only; set moe_norm_topk_prob false")
     kwargs: dict[str, Any] = {}
     if moe:
         kwargs.update(
@@ -108,7 +124,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, device: tor
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=ACTIVATIONS[model.activation],
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
         qk_layernorm=model.qk_layernorm,
@@ -328,6 +344,28 @@ def _rope_theta(hf_config: Any) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
+def _refuse_sliding_window(hf_config: Any) -> None:
+    """Raise naming the HF field when some layer attends through a sliding window that can bind.
+
+    Qwen2 / Qwen3 mark sliding layers in `layer_types` (derived from `use_sliding_window` and
+    `max_window_layers`); Qwen3-MoE slides on every layer when `use_sliding_window`. The tree
+    attention here is full causal, which equals a window only when the window is at least
+    max_position_embeddings (no sequence the model is built for is longer).
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        field = "layer_types (from use_sliding_window / max_window_layers)"
+    else:
+        sliding = list(range(hf_config.num_hidden_layers)) if getattr(hf_config, "use_sliding_window", False) else []
+        field = "use_sliding_window"
+    if sliding and window is not None and window < hf_config.max_position_embeddings:
+        raise ValueError(f"HF config {field} puts layers {sliding} on sliding-window attention "
+                         f"(sliding_window={window} < max_position_embeddings={hf_config.max_position_embeddings}); "
+                         "the learner's tree attention is full causal and cannot represent it exactly")
+
+
 def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     """`ModelConfig` from a transformers Qwen3 / Qwen3-MoE / Qwen2 / Llama config (raises on others)."""
     model_type = hf_config.model_type
@@ -339,7 +377,13 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         raise ValueError("Llama with attention_bias / mlp_bias is not supported")
     if model_type == "qwen3" and getattr(hf_config, "attention_bias", False):
         raise ValueError("Qwen3 with attention_bias is not supported")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act not in HF_ACTIVATIONS:
+        raise ValueError(f"HF config hidden_act={act!r} is not supported: megatron's gated MLP is built here with "
+                         f"one of {sorted(HF_ACTIVATIONS)}")
+    _refuse_sliding_window(hf_config)
     fields: dict[str, Any] = dict(
+        activation=HF_ACTIVATIONS[act],
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -357,6 +401,12 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     if model_type == "qwen3_moe":
         if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
             raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not supported")
+        if hf_config.num_experts_per_tok == 1 and hf_config.norm_topk_prob:
+            # Top-1 renormalised: every routed weight is exactly 1. megatron-core's router only has
+            # top-1 as pre-softmax (weight = the softmax probability), which is a different model.
+            raise ValueError("HF config num_experts_per_tok=1 with norm_topk_prob=true (every routed weight is 1) "
+                             "cannot be represented by megatron-core's router (top-1 needs pre-softmax "
+                             "routing, weight = softmax probability); only norm_topk_prob=false converts at top-1")
         fields.update(
             num_experts=getattr(hf_config, "num_experts", None) or hf_config.num_local_experts,
             moe_router_topk=hf_config.num_experts_per_tok,

@@ -119,20 +119,25 @@ def _optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
 
 
 def _reduce_metrics(stored: list[dict], groups: ParallelGroups, device: torch.device) -> dict[str, float]:
-    """Sum micro-batch metrics, over DP on the last stage, then share them with every PP stage."""
+    """Sum micro-batch metrics (keys ending in ``_max``: take the max), over DP on the last stage,
+    then share them with every PP stage."""
     last = dist.get_global_rank(groups.pgs.pp, groups.pp_size - 1)
     keys = [sorted(stored[0]) if stored else []]
     if groups.pp_size > 1:  # only the last stage ran the loss
         dist.broadcast_object_list(keys, src=last, group=groups.pgs.pp)
-    keys = keys[0]
-    vals = torch.zeros(len(keys), device=device)
-    for i, k in enumerate(keys):
-        vals[i] = sum(m[k] for m in stored) if stored else 0.0
-    if groups.is_last_stage and groups.dp_size > 1:
-        dist.all_reduce(vals, group=groups.pgs.dp_cp)
-    if groups.pp_size > 1:
-        dist.broadcast(vals, src=last, group=groups.pgs.pp)
-    return {k: float(v) for k, v in zip(keys, vals.tolist())}
+    out = {}
+    for is_max in (False, True):
+        ks = [k for k in keys[0] if k.endswith("_max") == is_max]
+        vals = torch.zeros(len(ks), device=device)
+        for i, k in enumerate(ks):
+            if stored:
+                vals[i] = max(m[k] for m in stored) if is_max else sum(m[k] for m in stored)
+        if groups.is_last_stage and groups.dp_size > 1 and ks:
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=groups.pgs.dp_cp)
+        if groups.pp_size > 1 and ks:
+            dist.broadcast(vals, src=last, group=groups.pgs.pp)
+        out.update(zip(ks, vals.tolist()))
+    return out
 
 
 def train_step(

@@ -152,7 +152,7 @@ class ProbeResult:
 
 @torch.no_grad()
 def run_probe(model: PackedForward, batch: ProbeBatch, *, output_weight: Optional[torch.Tensor] = None,
-              tp_group=None, vocab_start: int = 0) -> torch.Tensor:
+              tp_group=None, vocab_start: int = 0, vocab_size: Optional[int] = None) -> torch.Tensor:
     """(Q,) ℓ̄ of every probe of `batch` from one forward of the frozen reference.
 
     ℓ̄_q = Σ_{gold tokens t of probe q} logp_t / |y*|, logp_t under the logits at prev_index[t].
@@ -162,7 +162,8 @@ def run_probe(model: PackedForward, batch: ProbeBatch, *, output_weight: Optiona
     out = out[0] if out.dim() == 3 else out  # (T, H) or (T, V)
     p = p.to(out.device)  # the model may run on an accelerator; the batch is built on the host
     if output_weight is not None:
-        lp = packed_token_logprobs(out, output_weight, p, tp_group=tp_group, vocab_start=vocab_start)
+        lp = packed_token_logprobs(out, output_weight, p, tp_group=tp_group, vocab_start=vocab_start,
+                                   vocab_size=vocab_size)
     else:
         if tp_group is not None:
             raise ValueError("vocab-parallel probing needs hidden states and output_weight")
@@ -192,10 +193,11 @@ def _chunks(trees: Sequence[RolloutTree], sizes: Sequence[int], max_tokens: Opti
 def reference_probe(model: PackedForward, trees: Sequence[RolloutTree], tokenize: Callable[[str], list[int]],
                     answer_template: str, *, output_weight: Optional[torch.Tensor] = None,
                     tp_group=None, vocab_start: int = 0, max_tokens: Optional[int] = None,
-                    max_answer_tokens: Optional[int] = None) -> ProbeResult:
+                    max_answer_tokens: Optional[int] = None, vocab_size: Optional[int] = None) -> ProbeResult:
     """ℓ̄ at every boundary of every tree, one forward per group of trees (≤ `max_tokens` packed tokens).
 
-    A gold answer longer than `max_answer_tokens` tokens raises ValueError (`check_answer_length`)."""
+    A gold answer longer than `max_answer_tokens` tokens raises ValueError (`check_answer_length`);
+    `vocab_size` (the true vocabulary) keeps the TP padding rows out of the log-softmax."""
     answers = []
     for tree in trees:
         if tree.gold_answer is None:
@@ -207,7 +209,8 @@ def reference_probe(model: PackedForward, trees: Sequence[RolloutTree], tokenize
     ell = [torch.full((len(t),), float("nan")) for t in trees]
     for group in _chunks(trees, sizes, max_tokens):
         batch = build_probe_batch([trees[i] for i in group], [answers[i] for i in group])
-        values = run_probe(model, batch, output_weight=output_weight, tp_group=tp_group, vocab_start=vocab_start)
+        values = run_probe(model, batch, output_weight=output_weight, tp_group=tp_group, vocab_start=vocab_start,
+                           vocab_size=vocab_size)
         for (ti, lid), v in zip(batch.boundary, values):
             ell[group[ti]][lid] = v
     return ProbeResult(ell)

@@ -22,7 +22,7 @@ TREE = {0: (-1, 6), 1: (0, 5), 2: (0, 4), 3: (2, 3), 4: (0, 3)}
 
 
 def tiny_hf_config(kind: str, tie: bool = False):
-    """A tiny transformers config: Qwen3 (`dense`), Qwen3-MoE (`moe`), `qwen2` (QKV bias) or `llama`."""
+    """A tiny transformers config: Qwen3 (`dense`), Qwen3-MoE (`moe`), `qwen2` (QKV bias), `llama`, `llama_gelu`."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
@@ -34,8 +34,9 @@ def tiny_hf_config(kind: str, tie: bool = False):
         return Qwen3Config(**common)
     if kind == "qwen2":
         return Qwen2Config(**{k: v for k, v in common.items() if k != "head_dim"})
-    if kind == "llama":
-        return LlamaConfig(**{k: v for k, v in common.items() if k != "head_dim"}, rope_theta=500000.0)
+    if kind in ("llama", "llama_gelu"):  # llama_gelu: a GeGLU Llama (hidden_act gelu), mapped exactly
+        return LlamaConfig(**{k: v for k, v in common.items() if k != "head_dim"}, rope_theta=500000.0,
+                           hidden_act="gelu" if kind == "llama_gelu" else "silu")
     return Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
 
 

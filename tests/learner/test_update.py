@@ -17,6 +17,7 @@ from trace_mega.learner.models import output_weight
 from trace_mega.learner.optim import build_optimizer, train_step
 from trace_mega.learner.logprobs import packed_token_logprobs
 from trace_mega.rollout.tree import Node, RolloutTree, pack
+from trace_mega.step import StepBatch
 
 VOCAB = 61
 
@@ -67,9 +68,10 @@ def _restore(ln, ws):
 
 
 def _batch(trees):
-    packed = pack(trees)
-    compute_advantages(packed, trees, AdvantageConfig(name="tree"))
-    return packed
+    """The step record of `trees` with tree advantages (what the trainer hands the learner)."""
+    step = StepBatch(0, [], trees, torch.arange(len(trees)), pack(trees))
+    step.advantages = compute_advantages(step.packed, trees, AdvantageConfig(name="tree"))
+    return step
 
 
 def test_balanced_bins_are_whole_balanced_and_deterministic():
@@ -87,7 +89,7 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
     trees = _trees()
     w0 = _weights(learner)
     _configure(learner)
-    m = learner.train_step(trees, _batch(trees))
+    m = learner.train_step(_batch(trees))
     w1 = _weights(learner)
     assert m["loss/optimizer_steps"] == 1.0 and m["loss/clip_fraction"] == 0.0
     assert m["loss/ratio_max"] == 1.0 and m["loss/approx_kl"] == 0.0
@@ -95,7 +97,7 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
     # The same step by hand: the megatron step over the same micro-batches with ratio 1 by construction.
     _restore(learner, w0)
     _configure(learner)
-    packed = _batch(trees)
+    step = _batch(trees)
     cfg = learner.cfg.loss
 
     def loss_fn(hidden, batch):
@@ -105,7 +107,7 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
         return compute_loss(lp, mb, cfg, old_logprobs=lp.detach()).loss * units, units, {}
 
     batches = []
-    for mb, _ in learner._micro_batches(trees, packed, range(len(trees))):
+    for mb, _ in learner._micro_batches(step.packed, step.advantages, range(len(trees))):
         ids, pos, mask = learner._inputs(mb)
         batches.append({"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb})
     train_step(learner.chunks, learner.optimizer, learner.scheduler, batches, loss_fn, learner.groups,
@@ -116,7 +118,8 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
 
 def test_old_logprobs_forward_matches_the_training_forward_and_returns_hidden(learner):
     trees = _trees()
-    packed = _batch(trees)
+    step = _batch(trees)
+    packed = step.packed
     lp, hidden = learner.old_logprobs(packed, return_hidden=True)
     assert hidden.shape == (packed.num_tokens, learner.hidden_size)
     assert torch.equal(hidden, learner.hidden_states(packed))
@@ -124,14 +127,20 @@ def test_old_logprobs_forward_matches_the_training_forward_and_returns_hidden(le
     assert bool((lp[mask] < 0).all()) and bool((lp[~mask] == 0).all())
     # Given to a 1-mini-batch, 2-epoch update, the first step's ratio is 1 to float noise.
     _configure(learner, epochs_per_step=2, lr=1e-6)
-    m = learner.train_step(trees, packed, old_logprobs=lp)
+    m = learner.train_step(step, old_logprobs=lp)
     assert m["loss/optimizer_steps"] == 2.0 and m["loss/ratio_max"] == pytest.approx(1.0, abs=1e-3)
 
 
 def test_mini_batches_and_epochs_step_the_optimiser_and_clip(learner):
     trees = _trees(6)
     _configure(learner, mini_batches_per_step=3, epochs_per_step=2, lr=5e-2)
-    m = learner.train_step(trees, _batch(trees))
+    step = _batch(trees)
+    before = learner.hidden_states(step.packed)
+    m = learner.train_step(step)
+    # The predictor's hidden states are those of the pre-update weights (the no-grad forward), not
+    # of a later mini-batch's forward.
+    torch.testing.assert_close(step.hidden, before, rtol=0, atol=1e-6)
+    assert not torch.allclose(learner.hidden_states(step.packed), before, atol=1e-4)
     assert m["loss/optimizer_steps"] == 6.0 and m["loss/skipped"] == 0.0
     # Later mini-batches and the second epoch are off-policy: the clip acts.
     assert m["loss/clip_fraction"] > 0.0 and m["loss/ratio_max"] > 1.2 and m["loss/approx_kl"] > 0.0
@@ -148,21 +157,21 @@ def _set_behaviour(trees, packed, lp):
 
 def test_behaviour_old_logprobs_and_rollout_importance_weights(learner):
     trees = _trees()
-    packed = _batch(trees)
+    packed = _batch(trees).packed
     lp = learner.old_logprobs(packed)
     _set_behaviour(trees, packed, lp - 0.3)  # the engine was 0.3 nats less likely on every token
     _configure(learner, old_logprobs="behaviour", lr=1e-8)
-    m = learner.train_step(trees, _batch(trees))
+    m = learner.train_step(_batch(trees))
     assert m["loss/ratio_mean"] == pytest.approx(torch.exp(torch.tensor(0.3)).item(), rel=1e-3)
     assert m["loss/logprob_mismatch"] == pytest.approx(0.3, rel=1e-3)
     # token-level truncated IS with cap 1.2: every weight e^0.3 = 1.35 is capped
     _configure(learner, rollout_is="token", rollout_is_cap=1.2, lr=1e-8)
-    m = learner.train_step(trees, _batch(trees))
+    m = learner.train_step(_batch(trees))
     assert m["loss/rollout_is_mean"] == pytest.approx(1.2, rel=1e-4)
     assert m["loss/rollout_is_max"] == pytest.approx(1.2, rel=1e-4)
     assert m["loss/rollout_is_capped_fraction"] == pytest.approx(1.0)
     _configure(learner, rollout_is="token", rollout_is_cap=2.0, lr=1e-8)
-    m = learner.train_step(trees, _batch(trees))
+    m = learner.train_step(_batch(trees))
     assert m["loss/rollout_is_mean"] == pytest.approx(1.3499, rel=1e-3) and m["loss/rollout_is_capped_fraction"] == 0.0
 
 
@@ -172,8 +181,7 @@ def _chain_batch():
     t.add_path(a, [Node(0, [5], [1], [0.0])], 1.0)
     t.add_path(a, [Node(0, [6, 7], [1, 1], [0.0, 0.0])], 0.0)
     p = pack([t])
-    compute_advantages(p, [t], AdvantageConfig(name="tree"))
-    return p
+    return compute_advantages(p, [t], AdvantageConfig(name="tree")).apply(p)
 
 
 def test_rollout_is_weights_token_and_sequence():

@@ -1,8 +1,8 @@
 """TRACE-A rollout budget allocation: exact batched solvers and the allocator registry.
 
-* `root_value`, `allocate_roots` — stage 1, global root allocation (SPEC §3.2).
+* `root_value`, `allocate_roots` — stage 1, global root allocation (docs/design.md §3.2).
 * `prefix_value`, `allocate_prefixes` — stage 2, prefix expansion per prompt or
-  with a global pool (SPEC §3.3).
+  with a global pool (docs/design.md §3.3).
 * `ALLOCATORS`, `build_allocator`, `Allocator` — uniform | pcl | treepo | trace |
   trace_global, all spending the same number of trajectories per step.
 """

@@ -1,4 +1,4 @@
-"""Stage 2 of TRACE-A: exact local prefix expansion (SPEC §3.3), per prompt or with a global pool.
+"""Stage 2 of TRACE-A: exact local prefix expansion (docs/design.md §3.3), per prompt or with a global pool.
 
     maximise  sum_p V_pref(v_p, r_p, k_p),  V_pref = 1 - q_p^k,  q = r v + (1-r)(1-v)
     s.t.      sum_{p in g} k_p = budget[g]  for every group g   (pool="group", the paper's)

@@ -1,4 +1,4 @@
-"""Stage 1 of TRACE-A: exact global root allocation (SPEC §3.2).
+"""Stage 1 of TRACE-A: exact global root allocation (docs/design.md §3.2).
 
     maximise  sum_i V_root(v_i, m_i),  V_root(v, m) = 1 - v^m - (1-v)^m
     s.t.      sum_i m_i = budget,  m_i in {0} ∪ {2, ..., max_rollouts}

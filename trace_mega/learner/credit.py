@@ -1,4 +1,4 @@
-"""TRACE-C turn credit from reference-probe log-probs (SPEC §4): the pure math.
+"""TRACE-C turn credit from reference-probe log-probs (docs/design.md §4): the pure math.
 
 Boundaries and turns of one trajectory x, n_0, n_1, …, n_{T-1} (T turns):
     S_0 = the prompt; S_k = after turn n_{k-1} (the k-th tool call and its observation).

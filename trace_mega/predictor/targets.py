@@ -1,4 +1,4 @@
-"""Predictor training samples from collected rollout trees (SPEC §3.1).
+"""Predictor training samples from collected rollout trees (docs/design.md §3.1).
 
 A node's target is the mean reward of its terminal descendants (a leaf's is
 its reward). Samples are the roots (the prompt, H_0) and the intermediate

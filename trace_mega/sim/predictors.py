@@ -2,7 +2,7 @@
 
 All share one interface: `predict_roots(prompts) -> (B,)`,
 `predict_prefixes(prompts, prefixes) -> (P,)`, and `update(data) -> metrics`
-(called once per step with the targets of the newest trees, SPEC §3.1).
+(called once per step with the targets of the newest trees, docs/design.md §3.1).
 """
 from __future__ import annotations
 

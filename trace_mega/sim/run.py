@@ -1,4 +1,4 @@
-"""One simulated TRACE-A step (SPEC §3.4 steps 1-10) for any allocator, and seeded multi-step runs.
+"""One simulated TRACE-A step (docs/design.md §3.4 steps 1-10) for any allocator, and seeded multi-step runs.
 
 Metrics per step. The effective ratio's denominator is the active prompts
 (those given >= 1 rollout), which is the paper's:

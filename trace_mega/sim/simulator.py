@@ -12,7 +12,7 @@
 * Branching from a prefix of value V_t draws a fresh continuation, which by
   the martingale property succeeds with probability V_t. A prefix's K
   continuations are therefore Binomial(K, V_t) successes (their inner nodes
-  are never branch points, SPEC §3.3).
+  are never branch points, docs/design.md §3.3).
 * What a learned predictor may see: a prompt feature z = logit p + N(0, σ_z²)
   and, after turn t, a signal y_t = logit V_t + N(0, σ_y²).
 """

@@ -6,7 +6,7 @@ whose weights the learner pushes in memory through `update_weights` — the same
 stream of `(hf_name, tensor)` pairs vLLM's `load_weights` takes, so both
 engines share one weight-sync path.
 
-Prefix reuse (SPEC §3.4 step 8: never re-prefill a shared prefix): every
+Prefix reuse (docs/design.md §3.4 step 8: never re-prefill a shared prefix): every
 finished sequence leaves its KV (prompt + generated tokens) in `PrefixKVCache`,
 an LRU store bounded by tokens. A new request takes the longest common token
 prefix with any stored sequence, copies that much KV, and prefills only the

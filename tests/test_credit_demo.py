@@ -76,7 +76,7 @@ def test_credit_demo_end_to_end(tmp_path):
 
 def test_turns_per_episode_counts_shared_prefix_turns():
     from trace_mega.rollout.tree import Node, RolloutTree, pack
-    from trace_mega.step_data import tree_metrics
+    from trace_mega.telemetry import tree_metrics
 
     t = RolloutTree("t", [1, 2])
     a = t.add_node(0, Node(0, [3], [1], [0.0]))

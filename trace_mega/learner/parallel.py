@@ -80,12 +80,13 @@ def init_parallel(cfg: ParallelConfig, seed: int = 0) -> ParallelGroups:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        if world_size == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size
-        )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if world_size == 1 and "MASTER_PORT" not in os.environ:
+            # A lone process (no torchrun): its own free port, passed directly rather than through
+            # os.environ, which every subprocess it starts would inherit (and collide on).
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
     tp, pp, ep = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.expert_model_parallel_size
     if world_size % (tp * pp) != 0:
         raise ValueError(f"world size {world_size} is not a multiple of TP*PP = {tp * pp}")

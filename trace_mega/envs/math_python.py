@@ -2,6 +2,9 @@
 
 The `python` tool runs each call's code in a fresh contained interpreter
 (`trace_mega.envs.sandbox`), so a call never sees another call's variables.
+By default the interpreter runs in the kernel jail (bubblewrap, its own uid,
+no network); building the env fails where that is unavailable unless the
+option `isolation: weak` opts out of it.
 The reward is `math_verify`: the gold answer is parsed as LaTeX (wrapped in
 `\\boxed{}`), the final answer with LaTeX and plain-expression extraction (a
 `\\boxed{}` inside the answer wins), and `verify` compares them symbolically.
@@ -20,6 +23,7 @@ from typing import Optional, Sequence
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
 from trace_mega.envs.sandbox import Sandbox, SandboxLimits
+from trace_mega.envs.sandbox_jail import DEFAULT_UID_BASE
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "math" / "problems.jsonl"
 SYSTEM_PROMPT = (
@@ -129,6 +133,7 @@ class MathPythonEnv(Env):
     """Math problems with a sandboxed `python` tool and a math-verify reward.
 
     `train_path` / `test_path` default to the ten shipped problems (both splits).
+    `isolation` ("bwrap" | "weak") and `uid_base` are the sandbox's (`Sandbox`).
     """
 
     name = "math_python"
@@ -139,10 +144,13 @@ class MathPythonEnv(Env):
         test_path: Optional[str] = None,
         limits: Optional[SandboxLimits] = None,
         max_workers: int = 4,
-        isolation: str = "auto",
+        isolation: str = "bwrap",
+        uid_base: int = DEFAULT_UID_BASE,
     ) -> None:
         self.paths = {"train": Path(train_path or SHIPPED), "test": Path(test_path or SHIPPED)}
-        self.sandbox = Sandbox(limits=limits, max_workers=max_workers, isolation=isolation)
+        if isinstance(limits, dict):  # from a YAML config's env.options
+            limits = SandboxLimits(**limits)
+        self.sandbox = Sandbox(limits=limits, max_workers=max_workers, isolation=isolation, uid_base=uid_base)
         self._pool: Optional[ThreadPoolExecutor] = None
 
     def tasks(self, split: str = "train") -> list[Task]:

@@ -64,7 +64,8 @@ class Trainer:
         if cfg.rollout.engine != "torch" and init_dir is None:
             init_dir = str(self.learner.save_hf(Path(cfg.telemetry.out_dir) / "hf_init"))
         self.engine = self._engine(init_dir) if self.is_main else None
-        self.agent = (AgentLoop(self.env, self.engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s)
+        self.agent = (AgentLoop(self.env, self.engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s,
+                                max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn)
                       if self.is_main else None)
         # On GPU the solvers run on the predictions' device without host syncs: no input
         # validation and a static prefix-table width (the most prefixes one prompt can have).

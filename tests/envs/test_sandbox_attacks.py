@@ -19,12 +19,10 @@ Fork and thread bombs run only here, under the jail; without it the module
 skips (CI: fails, see tests/envs/jail.py).
 """
 import os
-import signal
 import site
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor

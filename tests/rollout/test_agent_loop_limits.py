@@ -7,7 +7,7 @@ import time
 from scripted_engine import ScriptedEngine
 
 from trace_mega.config import RolloutConfig
-from trace_mega.envs.base import Env, EpisodeState, Task
+from trace_mega.envs.base import Env, Task
 from trace_mega.envs.react import MAX_ARG_DEPTH
 from trace_mega.envs.tokenizer import build_tiny_tokenizer
 from trace_mega.rollout.agent_loop import AgentLoop

@@ -33,6 +33,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -136,8 +137,6 @@ class UidPool:
                                "writable (someone else could hold the sandbox's uid leases)")
 
     def acquire(self) -> UidLease:
-        import time
-
         while True:
             for uid in range(self.base, self.base + UID_COUNT):
                 fd = os.open(os.path.join(self.dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

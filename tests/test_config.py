@@ -30,6 +30,7 @@ def test_unknown_key_names_the_dotted_field():
         ({"allocation": {"group_size": 1}}, r"^allocation\.group_size: must be >= 2"),
         ({"credit": {"epsilon": 0.0}}, r"^credit\.epsilon: must be > 0"),
         ({"rollout": "torch"}, r"^rollout: expected a mapping"),
+        ({"env": {"max_tool_calls_per_turn": 0}}, r"^env\.max_tool_calls_per_turn: must be >= 1"),
     ],
 )
 def test_bad_values_fail_at_load_with_the_field(data, pattern):

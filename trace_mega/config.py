@@ -126,10 +126,14 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Environment-specific keyword arguments (data paths, categories, limits)."""
     tool_timeout_s: float = 10.0
-    """Wall-clock limit for one tool call."""
+    """Wall-clock limit for all tool calls of one turn together (they run in order and share it)."""
+    max_tool_calls_per_turn: int = 8
+    """Most tool calls one turn may make; a turn with more becomes an error observation and runs none of
+    them (bounds the work of a turn and how fast a model can grow the environment state)."""
 
     def validate(self) -> None:
         require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
+        require(self.max_tool_calls_per_turn >= 1, "max_tool_calls_per_turn", "must be >= 1")
         cls = _require_registered("name", "trace_mega.envs", "ENVS", self.name)
         params = inspect.signature(cls.__init__).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

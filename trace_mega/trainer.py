@@ -64,7 +64,8 @@ class Trainer:
             device=self.learner.groups.device, policy_config=hf_config(self.learner.model_cfg),
             checkpoint_dir=cfg.model.hf_checkpoint, write_checkpoint=self.learner.save_hf,
             work_dir=Path(cfg.telemetry.out_dir), host=self.is_main))
-        self.rollouts = RolloutCollector(self.env, engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s)
+        self.rollouts = RolloutCollector(self.env, engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s,
+                                         max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn)
         # On GPU the solvers run on the predictions' device without host syncs: no input
         # validation and a static prefix-table width (the most prefixes one prompt can have).
         on_gpu = self.learner.groups.device.type == "cuda"

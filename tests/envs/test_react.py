@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace_mega.envs.base import ParsedTurn, Task
-from trace_mega.envs.react import ReactScaffold, error_observation, parse_turn, tool_specs, validate_value
+from trace_mega.envs.react import (MAX_ARG_CHARS, MAX_ARG_DEPTH, MAX_ARG_ITEMS, ReactScaffold, error_observation,
+                                   parse_turn, tool_specs, validate_value)
 from trace_mega.envs.synthetic import ANSWER_DONE, MOVE_LEFT, tiny_tokenizer
 
 TOOLS = [
@@ -143,6 +144,38 @@ def test_pathological_inputs_do_not_raise():
     assert parse_turn(many, TOOLS).error is not None
     assert time.perf_counter() - t0 < 5.0  # the bare-JSON scan is bounded
     assert parse_turn('<tool_call>{"name": "move", "arguments": {"dir": NaN}}</tool_call>', TOOLS).error
+
+
+ANY = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_argument_depth_and_size_are_bounded():
+    def deep(levels):
+        return "[" * (levels - 1) + "]" * (levels - 1)
+
+    ok = parse_turn('<tool_call>{"name": "f", "arguments": {"v": %s}}</tool_call>' % deep(MAX_ARG_DEPTH), ANY)
+    assert ok.error is None
+    for levels in (MAX_ARG_DEPTH + 1, 600):  # 600 passed the parser before and crashed env.fork
+        p = parse_turn('<tool_call>{"name": "f", "arguments": {"v": %s}}</tool_call>' % deep(levels), ANY)
+        assert p.error == f"arguments of 'f' are nested deeper than {MAX_ARG_DEPTH} levels" and not p.tool_calls
+    p = parse_turn('{"name": "f", "arguments": {"v": %s}}' % deep(600), ANY)  # the bare-JSON path too
+    assert "nested deeper" in p.error
+    many = json.dumps({"name": "f", "arguments": {"v": [0] * MAX_ARG_ITEMS}})
+    assert parse_turn(f"<tool_call>{many}</tool_call>", ANY).error == f"arguments of 'f' are more than {MAX_ARG_ITEMS} values"
+    long = json.dumps({"name": "f", "arguments": {"v": "x" * (MAX_ARG_CHARS + 1)}})
+    assert "longer than" in parse_turn(f"<tool_call>{long}</tool_call>", ANY).error
+    fits = json.dumps({"name": "f", "arguments": {"v": "x" * (MAX_ARG_CHARS - 1)}})
+    assert parse_turn(f"<tool_call>{fits}</tool_call>", ANY).error is None
+
+
+def test_tool_calls_per_turn_are_capped_by_the_caller():
+    one = '{"name": "f", "arguments": {}}'
+    tags = f"<tool_call>{one}</tool_call>" * 5
+    assert len(parse_turn(tags, ANY, max_tool_calls=5).tool_calls) == 5
+    assert parse_turn(tags, ANY, max_tool_calls=4).error == "5 tool calls in one turn; at most 4 are allowed (none was run)"
+    listed = f"```json\n[{one}, {one}, {one}]\n```"
+    assert "3 tool calls in one turn" in parse_turn(listed, ANY, max_tool_calls=2).error
+    assert len(parse_turn(listed, ANY).tool_calls) == 3  # no cap by default
 
 
 def test_validate_value_and_specs():

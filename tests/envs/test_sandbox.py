@@ -1,5 +1,10 @@
-"""The Python sandbox: each attack is contained, reported, and harms no other call."""
+"""The Python sandbox in both isolation modes: limits, the hook's first error, concurrency.
+
+Attacks written to defeat the hook are in test_sandbox_attacks.py (jail only).
+"""
+import logging
 import os
+import pathlib
 import signal
 import socket
 import tempfile
@@ -8,17 +13,19 @@ import uuid
 
 import pytest
 
-from trace_mega.envs.sandbox import Sandbox, SandboxLimits, namespaces_available
+from jail import require_jail
+
+from trace_mega.envs.sandbox import WEAK_WARNING, Sandbox, SandboxLimits
 
 # A generous wall limit so that a busy CI machine cannot turn plain calls into timeouts;
 # the wall-time tests use their own short limit.
 LIMITS = SandboxLimits(cpu_s=1, wall_s=20.0, memory_mb=512, output_bytes=4096, file_mb=1)
-MODES = ["none", pytest.param("namespaces", marks=pytest.mark.skipif(
-    not namespaces_available(), reason="unshare --user --net is not usable here"))]
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module", params=["weak", "bwrap"])
 def sandbox(request):
+    if request.param == "bwrap":
+        require_jail()
     box = Sandbox(limits=LIMITS, max_workers=4, isolation=request.param)
     yield box
     box.close()
@@ -35,7 +42,7 @@ def _no_children_left():
 def _like(sandbox, max_workers=1, **limits):
     """A sandbox with the same isolation as `sandbox` and other limits."""
     return Sandbox(limits=SandboxLimits(**{**LIMITS.__dict__, **limits}), max_workers=max_workers,
-                   isolation="namespaces" if sandbox.use_namespaces else "none")
+                   isolation=sandbox.isolation)
 
 
 def test_plain_code_runs(sandbox):
@@ -54,8 +61,11 @@ def test_working_directory_is_a_private_temporary_directory(sandbox):
     )
     cwd, same, env = res.output.splitlines()
     assert res.status == "ok" and same == "True"
-    assert cwd.startswith(tempfile.gettempdir()) and not os.path.exists(cwd)
     assert "PYTHONPATH" not in env and "LD_PRELOAD" not in env
+    if sandbox.isolation == "weak":  # a new host directory, removed afterwards
+        assert cwd.startswith(tempfile.gettempdir()) and not os.path.exists(cwd)
+    else:  # the jail's private /tmp: nothing of it reaches the host
+        assert cwd == "/tmp" and not os.path.exists("/tmp/scratch.txt")
 
 
 def test_infinite_loop_is_stopped_by_the_cpu_limit(sandbox):
@@ -75,13 +85,25 @@ def test_sleeping_code_is_killed_at_the_wall_time_limit(sandbox):
 
 
 @pytest.mark.parametrize("code", [
-    "import os\nwhile True:\n    os.fork()",
-    "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])",
+    "import os\nos.fork()",
+    "import subprocess\nsubprocess.run(['true'])",
     "import os\nos.system('sleep 100 &')",
     "import _posixsubprocess\n_posixsubprocess.fork_exec()",
     "import multiprocessing as mp\nmp.Process(target=print).start()",
 ])
+def test_the_hook_refuses_new_processes_first(sandbox, code):
+    res = sandbox.run(code)
+    assert res.status == "error" and "sandbox:" in res.output and "not allowed" in res.output
+    assert _no_children_left()
+
+
+@pytest.mark.parametrize("code", [
+    "import os\nwhile True:\n    os.fork()",
+    "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])",
+])
 def test_fork_bomb_is_refused(sandbox, code):
+    if sandbox.isolation != "bwrap":
+        pytest.skip("fork bombs run only under the kernel jail")
     res = sandbox.run(code)
     assert res.status == "error" and "sandbox:" in res.output and "not allowed" in res.output
     assert _no_children_left()
@@ -95,6 +117,10 @@ def test_memory_bomb_fails_with_memory_error(sandbox):
 
 
 def test_writes_outside_the_directory_are_refused(sandbox, tmp_path):
+    """The hook's message comes first in both modes. The outside place is one the code can see: a host
+    directory for the weak mode, the (read-only) stdlib directory in the jail, whose /tmp is private."""
+    if sandbox.isolation == "bwrap":
+        tmp_path = pathlib.Path(os.path.dirname(os.__file__))
     target = tmp_path / f"escape-{uuid.uuid4().hex}.txt"
     attempts = [
         f"open({str(target)!r}, 'w').write('x')",
@@ -138,9 +164,9 @@ def test_100mb_of_output_is_truncated_and_stopped(sandbox):
 
 
 def test_a_bomb_does_not_disturb_concurrent_calls(sandbox):
+    fork = "import os\nwhile True:\n    os.fork()" if sandbox.isolation == "bwrap" else "import os\nos.fork()"
     bombs = ["while True:\n    pass", "x = bytearray(4 * 1024 ** 3)",
-             "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)",
-             "import os\nwhile True:\n    os.fork()", "import time\ntime.sleep(60)"]
+             "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)", fork, "import time\ntime.sleep(60)"]
     normal = [f"import time\ntime.sleep(0.3)\nprint(sum(range({n})))" for n in range(10)]
     codes = [c for pair in zip(bombs * 2, normal) for c in pair]
     fds = len(os.listdir("/proc/self/fd"))
@@ -157,6 +183,27 @@ def test_a_bomb_does_not_disturb_concurrent_calls(sandbox):
     assert _no_children_left()
 
 
-def test_bad_isolation_name():
-    with pytest.raises(ValueError):
+def test_bad_isolation_name_and_limits():
+    with pytest.raises(ValueError, match="bwrap, weak"):
         Sandbox(isolation="chroot")
+    with pytest.raises(ValueError, match="max_processes"):
+        Sandbox(limits=SandboxLimits(max_processes=0), isolation="weak")
+
+
+def test_weak_mode_warns_every_time(caplog):
+    with caplog.at_level(logging.WARNING, logger="trace_mega.envs.sandbox"):
+        for _ in range(2):
+            Sandbox(isolation="weak").close()
+    assert [r.getMessage() for r in caplog.records].count(WEAK_WARNING) == 2
+
+
+def test_missing_jail_fails_at_construction_with_a_clear_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without bubblewrap
+    with pytest.raises(RuntimeError, match=r"bwrap.*not installed.*apt-get install -y bubblewrap.*isolation='weak'"):
+        Sandbox()
+
+
+def test_lone_surrogates_become_an_error_observation(sandbox):
+    res = sandbox.run("print('\ud800 and \udfff')")
+    assert (res.status, res.exit_code) == ("error", None)
+    assert "not valid Unicode text" in res.observation() and "it was not run" in res.observation()

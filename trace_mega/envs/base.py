@@ -6,8 +6,9 @@ calls `step` for every tool call, and `reward` at the end. Malformed turns
 never reach `step`: the loop turns them into error observations itself.
 
 Branching a continuation from an intermediate turn needs the episode state at
-that turn, so states are forked with `fork` (a deep copy unless the env knows
-better, e.g. replaying tool calls).
+that turn, so states are forked with `fork` (a deep copy of the env's own
+data unless the env knows better, e.g. replaying tool calls; the task and the
+recorded tool calls are shared, never copied).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from trace_mega.registry import Registry
 
 @dataclass
 class ToolCall:
-    """One parsed function call."""
+    """One parsed function call; never modified after parsing (forked states share it)."""
 
     name: str
     arguments: dict[str, Any]
@@ -101,8 +102,16 @@ class Env(ABC):
         return None
 
     def fork(self, state: EpisodeState) -> EpisodeState:
-        """An independent copy of `state` to branch a continuation from."""
-        return copy.deepcopy(state)
+        """An independent copy of `state` to branch a continuation from.
+
+        A deep copy, except that the task and the recorded `ToolCall`s are shared
+        (the copy's `history` is a new list of the same calls): the calls'
+        arguments are model-written, and copying them would cost time and recurse
+        on whatever nesting the model produced.
+        """
+        memo: dict[int, Any] = {id(state.task): state.task}
+        memo.update((id(call), call) for call in state.history)
+        return copy.deepcopy(state, memo)
 
     def turn_labels(self, tree: Any) -> Optional[list[Optional[bool]]]:
         """Ground-truth usefulness of every turn of a `RolloutTree` (per local node, None for the root), for

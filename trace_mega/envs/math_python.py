@@ -2,6 +2,9 @@
 
 The `python` tool runs each call's code in a fresh contained interpreter
 (`trace_mega.envs.sandbox`), so a call never sees another call's variables.
+By default the interpreter runs in the kernel jail (bubblewrap, its own uid,
+no network); building the env fails where that is unavailable unless the
+option `isolation: weak` opts out of it.
 The reward is `math_verify`: the gold answer is parsed as LaTeX (wrapped in
 `\\boxed{}`), the final answer with LaTeX and plain-expression extraction (a
 `\\boxed{}` inside the answer wins), and `verify` compares them symbolically.
@@ -24,6 +27,7 @@ from typing import Any, Optional
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
 from trace_mega.envs.records import as_paths, read_records
 from trace_mega.envs.sandbox import Sandbox, SandboxLimits
+from trace_mega.envs.sandbox_jail import DEFAULT_UID_BASE
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "math" / "problems.jsonl"
 SYSTEM_PROMPT = (
@@ -172,6 +176,7 @@ class MathPythonEnv(Env):
 
     `train_path` / `test_path`: a file or a list of files (one per benchmark); both default
     to the ten shipped problems.
+    `isolation` ("bwrap" | "weak") and `uid_base` are the sandbox's (`Sandbox`).
     """
 
     name = "math_python"
@@ -182,10 +187,13 @@ class MathPythonEnv(Env):
         test_path: Optional[str | list[str]] = None,
         limits: Optional[SandboxLimits] = None,
         max_workers: int = 4,
-        isolation: str = "auto",
+        isolation: str = "bwrap",
+        uid_base: int = DEFAULT_UID_BASE,
     ) -> None:
         self.paths = {"train": as_paths(train_path or SHIPPED), "test": as_paths(test_path or SHIPPED)}
-        self.sandbox = Sandbox(limits=limits, max_workers=max_workers, isolation=isolation)
+        if isinstance(limits, dict):  # from a YAML config's env.options
+            limits = SandboxLimits(**limits)
+        self.sandbox = Sandbox(limits=limits, max_workers=max_workers, isolation=isolation, uid_base=uid_base)
 
     def tasks(self, split: str = "train") -> list[Task]:
         if split not in self.paths:

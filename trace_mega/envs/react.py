@@ -20,10 +20,13 @@ Turn format the parser accepts (documented in docs/rollout.md):
 
 A turn with both an explicit tool call (tags or a fence) and a final answer,
 with neither, or with a malformed call (bad JSON, unknown tool, arguments that
-violate the tool's JSON schema, unbalanced or nested tags, a generation cut
-at the token limit) parses to a `ParsedTurn` with `error` set and no actions;
-the agent loop shows it to the model as an error observation. Parsing never
-raises.
+violate the tool's JSON schema, arguments nested deeper than `MAX_ARG_DEPTH`
+or larger than `MAX_ARG_ITEMS` values / `MAX_ARG_CHARS` characters, more calls
+than the caller's `max_tool_calls`, unbalanced or nested tags, a generation
+cut at the token limit) parses to a `ParsedTurn` with `error` set and no
+actions; the agent loop shows it to the model as an error observation.
+Parsing never raises, and nothing after `json.loads` (whose own recursion is
+guarded) recurses deeper than `MAX_ARG_DEPTH` on what the model wrote.
 
 `ReactScaffold` renders prompts with the tokenizer's chat template and
 renders observations as tool-role messages of the same template, producing
@@ -45,6 +48,14 @@ FINAL_LINE_RE = re.compile(r"(?im)^[ \t]*final answer[ \t]*:")
 FENCE_RE = re.compile(r"```[ \t]*(?:json|JSON|tool_call)?[ \t]*\n?(.*?)```", re.S)
 THINK_RE = re.compile(r"</?think>")
 MAX_BARE_JSON_STARTS = 64  # bounds the bare-JSON scan (each attempt is linear in the text)
+# Bounds on one call's arguments: whatever passes is cheap to validate, copy (env.fork), store in the
+# tree and serialise, all of which recurse on it (json.loads itself fails cleanly past ~1000 levels).
+MAX_ARG_DEPTH = 32
+"""Nesting levels of objects / arrays, the arguments object itself being level 1."""
+MAX_ARG_ITEMS = 10_000
+"""Values (objects, arrays, scalars) inside the arguments."""
+MAX_ARG_CHARS = 1 << 18
+"""Characters of all strings and keys inside the arguments (256 Ki: room for long code)."""
 
 # BFCL writes a few Python type names into its JSON schemas.
 _TYPE_ALIASES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "bool": "boolean",
@@ -169,8 +180,37 @@ def _call_from_obj(obj: Any) -> ToolCall:
         args = {}
     if not isinstance(args, dict):
         raise _ParseError(f'"arguments" of {name!r} must be a JSON object, got {_json_type_name(args)}')
+    too_big = _shape_error(args)
+    if too_big:
+        raise _ParseError(f"arguments of {name!r} are {too_big}")
     call_id = obj.get("id")
     return ToolCall(name=name, arguments=args, call_id=call_id if isinstance(call_id, str) else None)
+
+
+def _shape_error(args: dict[str, Any]) -> Optional[str]:
+    """Why `args` exceeds the depth / size bounds, or None (an explicit stack: no recursion)."""
+    stack: list[tuple[Any, int]] = [(args, 1)]
+    items = chars = 0
+    while stack:
+        value, depth = stack.pop()
+        items += 1
+        if items > MAX_ARG_ITEMS:
+            return f"more than {MAX_ARG_ITEMS} values"
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_ARG_DEPTH:
+                return f"nested deeper than {MAX_ARG_DEPTH} levels"
+            if items + len(value) > MAX_ARG_ITEMS:
+                return f"more than {MAX_ARG_ITEMS} values"
+            if isinstance(value, dict):
+                chars += sum(len(k) for k in value)
+                stack.extend((v, depth + 1) for v in value.values())
+            else:
+                stack.extend((v, depth + 1) for v in value)
+        if chars > MAX_ARG_CHARS:
+            return f"longer than {MAX_ARG_CHARS} characters"
+    return None
 
 
 def _loads(text: str, what: str) -> Any:
@@ -248,7 +288,12 @@ def _split_think(text: str, truncated: bool) -> tuple[str, str]:
     return "\n".join(r.strip() for r in reasoning if r.strip()), "".join(body)
 
 
-def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool) -> ParsedTurn:
+def _check_count(n: int, max_calls: Optional[int]) -> None:
+    if max_calls is not None and n > max_calls:
+        raise _ParseError(f"{n} tool calls in one turn; at most {max_calls} are allowed (none was run)")
+
+
+def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool, max_calls: Optional[int]) -> ParsedTurn:
     if not raw.strip():
         raise _ParseError("empty turn" + (" (generation truncated)" if truncated else "")
                           + ": expected a tool call or a final answer")
@@ -271,6 +316,7 @@ def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool) -> ParsedTurn
     action_at = -1
     final: Optional[str] = None
     if tool_spans:
+        _check_count(len(tool_spans), max_calls)  # before any JSON is decoded
         for a, b in tool_spans:
             body = text[a:b].strip()
             inner = FENCE_RE.fullmatch(body)
@@ -295,6 +341,7 @@ def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool) -> ParsedTurn
             raise _ParseError("no tool call or final answer found; call a tool with "
                               '<tool_call>{"name": ..., "arguments": {...}}</tool_call> or answer with <answer>...</answer>')
         calls = bare
+    _check_count(len(calls), max_calls)
     specs = tool_specs(tools)
     for call in calls:
         if call.name not in specs:
@@ -307,14 +354,16 @@ def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool) -> ParsedTurn
     return ParsedTurn(raw=raw, thought=thought, tool_calls=calls, final_answer=final)
 
 
-def parse_turn(text: str, tools: list[dict[str, Any]], *, truncated: bool = False) -> ParsedTurn:
+def parse_turn(text: str, tools: list[dict[str, Any]], *, truncated: bool = False,
+               max_tool_calls: Optional[int] = None) -> ParsedTurn:
     """Parse one generated turn into thought + tool calls, a final answer, or an error.
 
     `truncated` says the generation stopped at the token limit (not at a stop
-    token), which changes error messages for unclosed tags. Never raises.
+    token), which changes error messages for unclosed tags. A turn with more
+    than `max_tool_calls` calls is an error (None: no cap). Never raises.
     """
     try:
-        return _parse(text, tools, truncated)
+        return _parse(text, tools, truncated, max_tool_calls)
     except _ParseError as exc:
         return ParsedTurn(raw=text, thought="", error=str(exc))
 
@@ -389,7 +438,13 @@ class ReactScaffold:
 
     def defuse(self, observation: str) -> str:
         """`observation` with every control-token string (e.g. `<|im_end|>`, `</tool_response>`) broken by a
-        zero-width space after its first character, so tool output cannot inject chat-format tokens."""
+        zero-width space after its first character, so tool output cannot inject chat-format tokens, and
+        with lone surrogates (a tool echoing a model's `"\\ud800"`) written as escapes, which the tokenizer
+        would refuse."""
+        try:
+            observation.encode("utf-8")
+        except UnicodeEncodeError:
+            observation = observation.encode("utf-8", "backslashreplace").decode("utf-8")
         for t in self._control_texts:
             if t in observation:
                 observation = observation.replace(t, t[0] + "\u200b" + t[1:])
@@ -408,6 +463,7 @@ class ReactScaffold:
         """Generated text for the parser (special tokens such as <|im_end|> dropped)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def parse(self, generated_ids: list[int], tools: list[dict[str, Any]], *, truncated: bool = False) -> ParsedTurn:
+    def parse(self, generated_ids: list[int], tools: list[dict[str, Any]], *, truncated: bool = False,
+              max_tool_calls: Optional[int] = None) -> ParsedTurn:
         """Decode and parse one generated turn."""
-        return parse_turn(self.decode(generated_ids), tools, truncated=truncated)
+        return parse_turn(self.decode(generated_ids), tools, truncated=truncated, max_tool_calls=max_tool_calls)

@@ -8,6 +8,12 @@ all live episodes in lock step, one `engine.generate` call per turn-wave:
     call / turn) -> parse -> tool calls on a thread pool with a timeout ->
     observation tokens appended -> next wave
 
+A turn may make at most `max_tool_calls_per_turn` calls (more: an error
+observation, none run), and its calls run in order on one fork of the state
+within ONE time budget, `tool_timeout_s`, shared by all of them: when it runs
+out, the turn's calls are reported as timed out and have no effect, and the
+abandoned worker starts no further call of that turn.
+
 Token layout of a turn node: the generated ids (loss_mask 1, the engine's
 behaviour log-probs) followed by the observation ids (loss_mask 0) rendered
 by the chat template (`ReactScaffold.observation_ids`). Generated ids are
@@ -21,7 +27,8 @@ Episode ends (the last node becomes a leaf with a reward):
   ``env.reward(state, None)``; the tool call of a turn cut by a limit is not
   executed, and an observation that would cross the token limit is dropped.
 A turn cut at `max_new_tokens_per_turn`, malformed output, a failing or hanging
-tool all become error observations and the episode goes on. In a multi-turn
+tool, a state that `env.fork` cannot copy all become error observations and
+the episode goes on. In a multi-turn
 task (`Env.next_turn` overridden) a final answer ends the current user turn:
 the next user message(s) are appended to the answer node (kind ``final``,
 loss 0 on them) and the episode goes on; the reward comes when `next_turn`
@@ -106,10 +113,13 @@ class _ToolJob:
     observations: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    def run(self) -> tuple[list[str], float]:
+    def run(self, deadline: float) -> tuple[list[str], float]:
+        """The calls' observations and seconds; `deadline` (time.monotonic) ends the turn's shared budget."""
         t0 = time.perf_counter()
         out = []
         for call in self.calls:
+            if time.monotonic() >= deadline:  # the loop has already given up on this turn: start nothing more
+                break
             try:
                 out.append(str(self.step(self.fork, call)))
             except Exception as exc:  # an env must not raise, but a tool bug must not kill the rollout
@@ -147,15 +157,18 @@ class AgentLoop:
         *,
         tool_timeout_s: float = 10.0,
         tool_workers: int = 8,
+        max_tool_calls_per_turn: int = 8,
     ) -> None:
-        if tool_timeout_s <= 0 or tool_workers < 1:
-            raise ValueError(f"need tool_timeout_s > 0 and tool_workers >= 1, got {tool_timeout_s}, {tool_workers}")
+        if tool_timeout_s <= 0 or tool_workers < 1 or max_tool_calls_per_turn < 1:
+            raise ValueError("need tool_timeout_s > 0, tool_workers >= 1 and max_tool_calls_per_turn >= 1, got "
+                             f"{tool_timeout_s}, {tool_workers}, {max_tool_calls_per_turn}")
         self.env, self.engine, self.cfg = env, engine, rollout_cfg
         self.scaffold = ReactScaffold(tokenizer)
         # Multi-turn tasks (Env.next_turn overridden): an answer may be followed by a new user turn.
         self._multi_turn = type(env).next_turn is not Env.next_turn
         self.tool_timeout_s = float(tool_timeout_s)
         self.tool_workers = int(tool_workers)
+        self.max_tool_calls_per_turn = int(max_tool_calls_per_turn)
         self._pool = cf.ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
         self.stats = RolloutStats()
         self.last_stats = RolloutStats()
@@ -202,9 +215,21 @@ class AgentLoop:
                                  "(loaded from JSONL, or released); it cannot be expanded")
             prefix = tree.prefix_token_ids(node_id)
             depth = tree.depth(node_id)
-            episodes += [_Episode(tree_idx, node_id, False, list(prefix), self.env.fork(states[node_id]), depth)
-                         for _ in range(int(k))]
+            for _ in range(int(k)):
+                # A state fork cannot copy is shared instead: an episode's state is never changed in place
+                # (tools run on forks), and the continuation's tool turns report the failure.
+                fork, _why = self._fork(states[node_id])
+                episodes.append(_Episode(tree_idx, node_id, False, list(prefix),
+                                         states[node_id] if fork is None else fork, depth))
         self._run(trees, episodes, seed)
+
+    def _fork(self, state: EpisodeState) -> tuple[Optional[EpisodeState], str]:
+        """(`env.fork(state)`, "") or (None, why): a state the model made too deep or too large to copy
+        (RecursionError in a deepcopy) costs its own episode a turn, never the rollout."""
+        try:
+            return self.env.fork(state), ""
+        except Exception as exc:  # noqa: BLE001
+            return None, f"the environment state could not be copied ({type(exc).__name__}: {str(exc)[:200]})"
 
     @staticmethod
     def release(trees: list[RolloutTree]) -> None:
@@ -273,7 +298,7 @@ class AgentLoop:
         tree.meta["generated_tokens"] = tree.meta.get("generated_tokens", 0) + len(gen)
         # Tools offered now: an env may extend them mid-episode (BFCL miss_func reveals functions).
         tools = ep.state.data.get("tools", ep.state.task.tools)
-        parsed = self.scaffold.parse(gen, tools, truncated=cut)
+        parsed = self.scaffold.parse(gen, tools, truncated=cut, max_tool_calls=self.max_tool_calls_per_turn)
         info = {"finish_reason": "length" if cut else comp.finish_reason, "num_generated": len(gen),
                 "cached_prefix_tokens": comp.cached_prefix_tokens}
         ep.turns += 1
@@ -281,8 +306,11 @@ class AgentLoop:
             stats.final_answers += 1
             after, messages = ep.state, None
             if self._multi_turn:  # the answer ends a user turn; the task may go on (on a fork: kept states stay)
-                after = self.env.fork(ep.state)
-                messages = self.env.next_turn(after, parsed.final_answer)
+                after, why = self._fork(ep.state)
+                if after is None:  # the task ends here, the answer judged on the state as it is
+                    after, info["error"] = ep.state, why
+                else:
+                    messages = self.env.next_turn(after, parsed.final_answer)
             if messages is None:
                 reward = float(self.env.reward(after, parsed.final_answer))
                 stats.successes += int(reward > 0.5)
@@ -304,16 +332,22 @@ class AgentLoop:
             return None
         job = None
         if parsed.error is None:
-            job = _ToolJob(self.env.step, self.env.fork(ep.state), parsed.tool_calls)
+            fork, why = self._fork(ep.state)
+            if fork is None:
+                parsed.error, parsed.tool_calls = f"{why}; the tool calls were not run", []
+                info["error"] = parsed.error
+            else:
+                job = _ToolJob(self.env.step, fork, parsed.tool_calls)
         return _PendingTurn(ep, gen, lp, parsed, info, job=job)
 
     def _run_tools(self, turns: list[_PendingTurn], stats: RolloutStats) -> None:
-        """Run the wave's tool jobs on the pool, `tool_workers` at a time, each with its timeout."""
+        """Run the wave's tool jobs on the pool, `tool_workers` at a time; a turn's calls share one timeout."""
         pending = [t.job for t in turns if t.job is not None]
         for at in range(0, len(pending), self.tool_workers):
             chunk = pending[at:at + self.tool_workers]
-            futures = {self._pool.submit(job.run): job for job in chunk}
-            limit = self.tool_timeout_s * max(len(j.calls) for j in chunk)
+            limit = self.tool_timeout_s
+            deadline = time.monotonic() + limit
+            futures = {self._pool.submit(job.run, deadline): job for job in chunk}
             done, not_done = cf.wait(futures, timeout=limit)
             for fut in done:
                 job = futures[fut]
@@ -323,8 +357,8 @@ class AgentLoop:
             for fut in not_done:
                 job = futures[fut]
                 job.observations = [error_observation(
-                    f"tool call {c.name!r} timed out after {self.tool_timeout_s:g} s; this turn's tool calls had no effect"
-                ) for c in job.calls]
+                    f"tool call {c.name!r} timed out after {self.tool_timeout_s:g} s (shared by this turn's tool "
+                    "calls); this turn's tool calls had no effect") for c in job.calls]
                 job.seconds = limit
                 stats.tool_timeouts += 1
             if not_done:  # hung workers stay busy: later chunks get a fresh pool

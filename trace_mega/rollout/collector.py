@@ -29,11 +29,11 @@ class RolloutCollector:
     """The agent loop on the rank that hosts `engine` (None elsewhere), trees shared with every rank."""
 
     def __init__(self, env: Env, engine: Optional[Engine], tokenizer: Any, cfg: RolloutConfig, *,
-                 tool_timeout_s: float) -> None:
+                 tool_timeout_s: float, max_tool_calls_per_turn: int = 8) -> None:
         self.env, self.engine = env, engine
         self.scaffold = ReactScaffold(tokenizer)
-        self.agent = AgentLoop(env, engine, tokenizer, cfg, tool_timeout_s=tool_timeout_s) \
-            if engine is not None else None
+        self.agent = AgentLoop(env, engine, tokenizer, cfg, tool_timeout_s=tool_timeout_s,
+                               max_tool_calls_per_turn=max_tool_calls_per_turn) if engine is not None else None
         self._before = RolloutStats()
 
     def begin_step(self, seed: int) -> None:

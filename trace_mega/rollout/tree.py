@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Sequence
 
@@ -59,6 +59,14 @@ class Node:
                 f"node fields disagree in length: tokens {len(self.token_ids)}, "
                 f"loss_mask {len(self.loss_mask)}, logprobs {len(self.logprobs)}"
             )
+
+
+_NODE_FIELDS = tuple(f.name for f in fields(Node))
+
+
+def _copy1(value: Any) -> Any:
+    """A one-level copy of a list or dict; anything else as is."""
+    return list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
 
 
 class RolloutTree:
@@ -174,11 +182,14 @@ class RolloutTree:
 
     # --- serialisation ------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """Plain containers for JSON. Each node's fields are copied one level deep, not recursively
+        (`dataclasses.asdict` would recurse into `info`, which holds model-written tool arguments):
+        values nested inside `meta` and `info` are shared with the tree."""
         return {
             "prompt_id": self.prompt_id,
             "gold_answer": self.gold_answer,
-            "meta": self.meta,
-            "nodes": [asdict(n) for n in self.nodes],
+            "meta": dict(self.meta),
+            "nodes": [{name: _copy1(getattr(n, name)) for name in _NODE_FIELDS} for n in self.nodes],
         }
 
     @classmethod

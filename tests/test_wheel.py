@@ -91,4 +91,4 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
     assert (work / "demo_run" / "report.md").exists()
     bad = subprocess.run([str(venv / "bin" / "trace-mega"), "train", "--config", "demo_gpu"], cwd=work, env=env,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "shipped: demo_cpu, qwen3_14b_multihop, qwen3_30b_a3b_bfcl" in bad.stderr
+    assert bad.returncode == 2 and "shipped: credit_demo, demo_cpu, pretrain_search, qwen3_14b_multihop, qwen3_30b_a3b_bfcl" in bad.stderr

@@ -122,7 +122,7 @@ def check_rollout(tok, turns):
     with AgentLoop(env, ScriptedEngine(script), tok, cfg, tool_timeout_s=30.0,
                    max_tool_calls_per_turn=CAP) as loop:
         (tree,) = loop.rollout(env.tasks(), [2], seed=0)
-        picks = [(0, n, 1) for n in tree.intermediate_nodes()[:2]]
+        picks = [(0, n, 1) for n in [i for i, node in enumerate(tree.nodes) if i and node.reward is None][:2]]
         loop.expand([tree], picks, seed=1)
     tree.validate()
     assert len(tree.leaves()) == 2 + len(picks)

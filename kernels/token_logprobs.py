@@ -7,10 +7,8 @@ Computes, for every token t of a packed stream,
     logprob[t] = z[t, targets[t]] - lse[t]
     entropy[t] = lse[t] - sum_v softmax(z)[t, v] * z[t, v]
 
-in vocab chunks with an online (max, sum-exp, sum p*z) recurrence, so the peak extra
-memory is O(T * chunk + T * H + V * H) instead of the O(T * V) fp32 logits (and their
-log-softmax copy and gradient) that `log_softmax(hidden @ W.T).gather` materialises
-(`token_logprobs_ref.py`: that reference, the ground truth of the tests).
+in vocab chunks with an online (max, sum-exp, sum p*z) recurrence: peak extra memory
+O(T * chunk + T * H + V * H), not the O(T * V) fp32 logits of `token_logprobs_ref.py`.
 
 Backends (chosen by `backend="auto"`):
 
@@ -21,32 +19,25 @@ Backends (chosen by `backend="auto"`):
   dz = g_lp * (onehot - p) - g_ent * p * (z - mu), and atomically accumulates
   dz @ W into dhidden and dz^T @ h into dweight (fp32 buffers). The fp32 atomics make
   the GPU gradients non-deterministic in the last bits (summation order).
-* ``"triton_dz"`` -- the same Triton forward; the backward avoids atomics: per vocab chunk a
-  Triton kernel writes the (T, chunk) dz tile buffer (bf16 on GPU for 16-bit inputs) and
-  two plain GEMMs (cuBLAS on GPU) form dh += dz @ W_c and dW_c = dz^T @ h. Extra memory:
-  one (T, chunk) buffer. Opt-in: the alternative to time against the atomics on a GPU.
-* ``"torch"`` -- a pure-PyTorch chunked path with the same math and the same memory
-  bound (autograd.Function; loops over vocab chunks of ``chunk_size`` columns in the
-  forward and again, recomputing, in the backward). Used on CPU without the
-  interpreter, and under the interpreter when T * V_local exceeds
-  ``INTERPRET_MAX_ELEMS`` (the interpreter costs ~1 ms per op per program instance,
-  so large problems would take minutes -- other components' CPU tests use this op).
+* ``"triton_dz"`` -- the same forward; a backward without atomics: per vocab chunk a Triton
+  kernel writes the (T, chunk) dz tile and two GEMMs form dh += dz @ W_c, dW_c = dz^T @ h
+  (one (T, chunk) buffer). Opt-in, to time against the atomics on a GPU.
+* ``"torch"`` -- pure-PyTorch chunks of ``chunk_size`` columns, same math and memory bound
+  (the backward recomputes). Used on CPU without the interpreter, and under it when
+  T * V_local > ``INTERPRET_MAX_ELEMS`` (the interpreter costs ~1 ms per op per program).
 
 Vocab parallelism (``tp_group`` given): each rank holds rows
 [vocab_start, vocab_start + V_local) of the output embedding and the full ``hidden``.
 Each rank computes per-row shard statistics (max m_r, sum-exp s_r relative to m_r,
 sum e^{z-m_r} z, and the target logit if the target is in its shard, else 0).
-Forward: exactly ONE collective -- an all_gather of the packed (4, T) fp32 statistics,
-combined locally (M = max_r m_r; s = sum_r s_r e^{m_r - M}; ...). Backward: exactly ONE
-collective -- an all_reduce(SUM) of dhidden over ``tp_group`` (as Megatron's
-ColumnParallelLinear input region does for the output layer), skipped when
-``reduce_grad_hidden=False`` (use that when an enclosing region already reduces the
-hidden gradient, e.g. sequence parallelism's reduce-scatter). dweight stays local.
-Every rank returns the same full (T,) outputs.
+Forward: ONE all_gather of the packed (4, T) fp32 statistics, combined locally
+(M = max_r m_r; s = sum_r s_r e^{m_r - M}; ...). Backward: ONE all_reduce(SUM) of dhidden
+over ``tp_group``, skipped with ``reduce_grad_hidden=False`` (when an enclosing region,
+e.g. sequence parallelism's, already reduces it). dweight stays local. Every rank returns
+the same full (T,) outputs.
 
-Ignore index: every NEGATIVE target (the usual -100 included) is ignored: its logprob
-and entropy are 0 and it contributes no gradient. Targets must otherwise lie in
-[0, V_global); with tp_group=None this is checked (one host sync).
+Ignore index: every NEGATIVE target (-100 included) gets logprob = entropy = 0 and no
+gradient; others must lie in [0, V_global) (checked, one host sync, when tp_group=None).
 """
 from __future__ import annotations
 

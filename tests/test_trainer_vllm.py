@@ -2,7 +2,8 @@
 
 Two steps of `trace-mega train` on the CPU demo config with `rollout.engine=vllm`:
 the engine starts from an HF dump of the Megatron policy, branches reuse the
-prefix cache, and the weights are updated in memory after every step.
+prefix cache, and the weights are updated in memory after every step (the demo
+policy ties its embeddings, so this also covers the tied LM head).
 """
 import json
 import os
@@ -20,9 +21,6 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN BUG since this session's merges: after the first weight sync the "
-                   "engine's behaviour log-probs disagree with the learner's (loss/logprob_mismatch 0.0008 at step 0, "
-                   "0.14 at step 1); the in-memory vLLM sync path needs bisecting (see the issue notes)")
 def test_two_trace_steps_on_vllm(tmp_path):
     env = env_without_interpreter() | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -38,6 +36,8 @@ def test_two_trace_steps_on_vllm(tmp_path):
     assert all(r["loss/skipped"] == 0.0 and r["rollout/generated_tokens"] > 0 for r in rows)
     # Continuations branched from prefixes hit vLLM's prefix cache.
     assert sum(r["rollout/prefill_tokens_saved"] for r in rows) > 0
-    # The engine samples from the learner's weights: behaviour and learner log-probs agree.
-    assert all(r["loss/logprob_mismatch"] < 1e-3 for r in rows)
+    # The engine samples from the learner's weights, in the learner's dtype (float32 here):
+    # behaviour and learner log-probs agree after every in-memory sync, the tied LM head included
+    # (vLLM's CPU head keeps a packed copy of the embedding that the reload alone leaves stale).
+    assert all(r["loss/logprob_mismatch"] < 1e-5 for r in rows), [r["loss/logprob_mismatch"] for r in rows]
     assert (tmp_path / "hf_init" / "config.json").exists()

@@ -91,6 +91,10 @@ class PredictorConfig:
 class RolloutConfig:
     engine: str = "torch"
     """Rollout engine registry name: torch | vllm."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype the engine computes in; auto = the learner's `model.params_dtype` (vLLM's own "auto"
+    would downcast a float32 policy to bfloat16 and the behaviour log-probs would drift from the
+    learner's)."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0

@@ -60,7 +60,8 @@ class Trainer:
         self.learner = Learner(cfg)
         self.is_main = self.learner.groups.rank == 0
         engine = build_engine(EngineSetup(
-            rollout=cfg.rollout, seed=cfg.seed, eos_token_ids=[self.tokenizer.eos_token_id],
+            rollout=cfg.rollout, seed=cfg.seed,
+            dtype=cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype, eos_token_ids=[self.tokenizer.eos_token_id],
             device=self.learner.groups.device, policy_config=hf_config(self.learner.model_cfg),
             checkpoint_dir=cfg.model.hf_checkpoint, write_checkpoint=self.learner.save_hf,
             work_dir=Path(cfg.telemetry.out_dir), host=self.is_main))

@@ -43,7 +43,7 @@ def test_build_engine_runs_the_entry_launch_on_every_rank(model, tmp_path):
     written = []
 
     def setup(engine, host):
-        return EngineSetup(rollout=RolloutConfig(engine=engine, enable_prefix_caching=False), seed=0,
+        return EngineSetup(rollout=RolloutConfig(engine=engine, enable_prefix_caching=False), seed=0, dtype="float32",
                            eos_token_ids=[7], device=torch.device("cpu"), policy_config=model.config,
                            checkpoint_dir=None, write_checkpoint=lambda d: written.append(d) or d,
                            work_dir=tmp_path, host=host)

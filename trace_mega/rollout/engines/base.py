@@ -55,6 +55,9 @@ class EngineSetup:
     """The run's rollout config (engine name, prefix caching, vLLM memory / block size, lengths)."""
     seed: int
     """Run seed (engine-level default; requests carry their own seeds)."""
+    dtype: str
+    """Compute dtype the engine runs the policy in (the learner's `model.params_dtype` unless
+    `rollout.dtype` says otherwise): the behaviour log-probs then match the learner's."""
     eos_token_ids: list[int]
     """Stop tokens of the tokenizer, added to every request."""
     device: torch.device

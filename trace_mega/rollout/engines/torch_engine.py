@@ -187,7 +187,7 @@ class TorchEngine(Engine):
         weights come with the first `update_weights`)."""
         if not setup.host:
             return None
-        return cls(setup.policy_config, device=setup.device, enable_prefix_caching=setup.rollout.enable_prefix_caching,
+        return cls(setup.policy_config, device=setup.device, dtype=getattr(torch, setup.dtype), enable_prefix_caching=setup.rollout.enable_prefix_caching,
                    eos_token_ids=setup.eos_token_ids)
 
     # ------------------------------------------------------------------ weights

@@ -38,6 +38,7 @@ loads it.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Iterable, Optional, Union
 
@@ -91,6 +92,9 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
 
+        for name in _EXPECTED_WARNINGS:
+            logging.getLogger(name).addFilter(_drop_expected)
+
         on_cuda = torch.cuda.is_available()
         self._sleep_enabled = on_cuda if enable_sleep_mode is None else enable_sleep_mode
         self.sleep_level = sleep_level
@@ -140,7 +144,7 @@ class VLLMEngine(Engine):
             return None
         rc = setup.rollout
         extra = {} if rc.kv_block_size_tokens is None else {"block_size": rc.kv_block_size_tokens}
-        return cls(model, enable_prefix_caching=rc.enable_prefix_caching, gpu_memory_utilization=rc.gpu_memory_utilization,
+        return cls(model, dtype=setup.dtype, enable_prefix_caching=rc.enable_prefix_caching, gpu_memory_utilization=rc.gpu_memory_utilization,
                    max_model_len=rc.max_total_tokens, seed=setup.seed, eos_token_ids=setup.eos_token_ids, **extra)
 
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
@@ -185,8 +189,16 @@ class VLLMEngine(Engine):
         layers repack their weights; a plain `load_weights` after start-up
         would find the repacked parameters without their weight loaders).
         The stream should cover the whole model.
+
+        A tied LM head (`tie_word_embeddings`) gets no tensor of its own: the
+        loader skips `lm_head.weight` and the reload leaves the head's
+        post-load state as it was. On CPU that state is a packed copy of the
+        embedding taken at load time (`cpu_linear`), so the head would keep
+        sampling from the first weights; `_retie_lm_head` re-runs the head's
+        post-load processing on the freshly loaded, shared embedding.
         """
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True})
+        self.llm.apply_model(_retie_lm_head)
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -207,6 +219,32 @@ class VLLMEngine(Engine):
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+
+
+# vLLM warnings that this engine's set-up causes by design, dropped from every handler.
+_EXPECTED_WARNINGS = {
+    # Per sync: layers the stream has no tensor for: rotary embeddings (no weights) and a
+    # tied LM head (refreshed by `_retie_lm_head`).
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",
+                                                          "ParallelLMHead: Failed to load weights"),
+    # At start-up with `skip_tokenizer_init=True`: no chat template to warm up and no tokenizer
+    # EOS (the stop ids are passed with every request).
+    "vllm.renderers.base": ("Chat template warmup failed", "Using None for EOS token id"),
+}
+
+
+def _drop_expected(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_EXPECTED_WARNINGS[record.name])
+
+
+def _retie_lm_head(model: torch.nn.Module) -> None:
+    """Rebuild a tied LM head's post-load state from the embedding it shares (runs in each worker)."""
+    head = getattr(model, "lm_head", None)
+    if head is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
 
 
 def _checkpoint_eos_ids(model_dir: Union[str, os.PathLike]) -> list[int]:

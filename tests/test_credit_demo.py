@@ -53,6 +53,17 @@ def test_methods_differ_only_in_their_switches():
             base.allocation.root_rollouts_per_step, base.allocation.continuations_per_rollout)  # equal budget
 
 
+def test_demo_composes_credit_by_the_auto_rule():
+    # tree+credit must keep its branch-point contrasts (broadcast), grpo+credit runs the paper's anchored rule.
+    from trace_mega.learner.advantages import resolve_mixing
+
+    base = load_yaml(TrainConfig, ROOT / "configs" / "credit_demo.yaml")
+    assert base.credit.mixing == "auto"
+    mix = {m: resolve_mixing(c.credit, c.advantage) for m in ("grpo+credit", "tree+credit")
+           for c in [method_config(base, m, 0, "/ckpt", Path("/out"))]}
+    assert mix == {"grpo+credit": "anchored", "tree+credit": "broadcast"}
+
+
 @pytest.mark.slow
 def test_credit_demo_end_to_end(tmp_path):
     pre = yaml.safe_load((ROOT / "configs" / "pretrain_search.yaml").read_text())

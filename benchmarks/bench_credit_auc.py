@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trace_mega.config import CreditConfig, PretrainConfig, RolloutConfig, load_yaml
+    from trace_mega.config import PretrainConfig, RolloutConfig, TrainConfig, load_yaml
     from trace_mega.envs import build_env
     from trace_mega.envs.synthetic_search import ANSWER_TEMPLATE
     from trace_mega.learner.credit_metrics import credit_accuracy
@@ -48,6 +48,8 @@ def main(argv=None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pretrain-config", default=str(ROOT / "configs" / "pretrain_search.yaml"))
+    ap.add_argument("--train-config", default=str(ROOT / "configs" / "credit_demo.yaml"),
+                    help="config whose credit settings (epsilon, lookahead_turns, gamma_td) score the turns")
     ap.add_argument("--tasks", type=int, default=64, help="tasks rolled out")
     ap.add_argument("--rollouts", type=int, default=4, help="rollouts per task")
     ap.add_argument("--seed", type=int, default=0)
@@ -76,7 +78,10 @@ def main(argv=None) -> dict:
     AgentLoop.release(trees)
     packed = pack(trees)
     labels = [env.turn_labels(t) for t in trees]
-    credit = CreditConfig(enabled=True, answer_template=ANSWER_TEMPLATE)
+    # The credit demo's settings (ε, look-ahead, γ_td): the AUCs are those the demo's trainer logs.
+    credit = dataclasses.replace(load_yaml(TrainConfig, args.train_config).credit, enabled=True)
+    if credit.answer_template != ANSWER_TEMPLATE:
+        raise SystemExit(f"{args.train_config}: credit.answer_template must be {ANSWER_TEMPLATE!r} for synthetic_search")
     encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
 
     # Decisive turns: the turn after which the context first resolves the asked key (the only turns a
@@ -106,8 +111,10 @@ def main(argv=None) -> dict:
     grid = [(h, g) for h in (1, 2, 3, 6) for g in (0.5, 0.9, 1.0)]
 
     def breakdown(ell):
+        hop = credit_accuracy(packed, trees, ell, hops_only, credit)
         m = {"auc_value_vs_other": credit_accuracy(packed, trees, ell, no_hops, credit)["credit/auc"],
-             "auc_R_hop_vs_other": credit_accuracy(packed, trees, ell, hops_only, credit)["credit/auc_R"]}
+             "auc_hop_vs_other": hop["credit/auc"], "auc_R_hop_vs_other": hop["credit/auc_R"],
+             "delta_hop": hop["credit/delta_useful"]}
         for h, g in grid:
             c = dataclasses.replace(credit, lookahead_turns=h, gamma_td=g)
             m[f"auc_R_h{h}_g{g}"] = credit_accuracy(packed, trees, ell, labels, c)["credit/auc_R"]
@@ -168,11 +175,12 @@ def main(argv=None) -> dict:
     n_kind = {k: sum(ks.count(k) for ks in turn_kind) for k in ("hop", "value", "other")}
     out["scored_turn_kinds"] = n_kind
     print(f"\nuseful turns split (all turns, answers included in other): {n_kind}")
-    print("| reference | AUC δ, value reveals vs other (hops left out) | AUC R, hops vs other (values left out) | "
+    print("| reference | mean δ, hops | AUC δ, hops vs other | AUC δ, value reveals vs other (hops left out) | "
+          "AUC R, hops vs other (values left out) | "
           + " | ".join(f"AUC R h={h} γ={g}" for h, g in grid) + " |")
-    print("|---|---|---|" + "---|" * len(grid))
+    print("|---|---|---|---|---|" + "---|" * len(grid))
     for name, m in rows.items():
-        print(f"| {name} | {m['auc_value_vs_other']:.3f} | {m['auc_R_hop_vs_other']:.3f} | "
+        print(f"| {name} | {m['delta_hop']:.3f} | {m['auc_hop_vs_other']:.3f} | {m['auc_value_vs_other']:.3f} | {m['auc_R_hop_vs_other']:.3f} | "
               + " | ".join(f"{m[f'auc_R_h{h}_g{g}']:.3f}" for h, g in grid) + " |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))

@@ -38,6 +38,7 @@ def test_summary_counts_censored_runs_and_means_over_seeds():
     assert table["grpo"]["reward_last10"] == pytest.approx((1.2 / 3 + 0.0) / 2)
     assert table["grpo"]["turns_per_episode_last10"] == pytest.approx((2 + 1) / 2)
     assert table["grpo+credit"]["credit_auc_mean"] == pytest.approx(0.7)
+    assert table["grpo+credit"]["credit_auc_last10"] == pytest.approx(0.7)
     assert math.isnan(table["grpo"]["credit_auc_mean"])  # no probe without credit
 
 

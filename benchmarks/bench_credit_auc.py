@@ -16,7 +16,8 @@ R over a grid of look-ahead horizons and discounts. Also reports the policy's
 reading accuracy: the fraction of correct answers among answers given after
 the context resolved the asked key.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_credit_auc.py [--policy HF_DIR] [--tasks N] [--rollouts N] [--json PATH]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_credit_auc.py [--policy HF_DIR] [--tasks N] \
+        [--rollouts N] [--json PATH] [key=value ...]
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def main(argv=None) -> dict:
     env = build_env(pcfg.env.name, **pcfg.env.options)
     tasks = env.tasks("train")[: args.tasks]
     rc = RolloutConfig(max_turns=pcfg.max_turns, max_new_tokens_per_turn=3, max_total_tokens=512)
-    actor = warm if args.policy is None else AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval()
+    actor = warm if args.policy is None else (
+        AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval())
     engine = TorchEngine(actor, eos_token_ids=[tok.eos_token_id])
     with AgentLoop(env, engine, tok, rc) as loop:
         trees = loop.rollout(tasks, [args.rollouts] * len(tasks), seed=args.seed)
@@ -81,7 +83,8 @@ def main(argv=None) -> dict:
     # The credit demo's settings (ε, look-ahead, γ_td): the AUCs are those the demo's trainer logs.
     credit = dataclasses.replace(load_yaml(TrainConfig, args.train_config).credit, enabled=True)
     if credit.answer_template != ANSWER_TEMPLATE:
-        raise SystemExit(f"{args.train_config}: credit.answer_template must be {ANSWER_TEMPLATE!r} for synthetic_search")
+        raise SystemExit(f"{args.train_config}: credit.answer_template must be {ANSWER_TEMPLATE!r} "
+                         "for synthetic_search")
     encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
 
     # Decisive turns: the turn after which the context first resolves the asked key (the only turns a
@@ -98,7 +101,8 @@ def main(argv=None) -> dict:
     def kinds(t):
         chain, out, seen = t.meta["chain"], [None] * len(t), [set() for _ in range(len(t))]
         for i in range(1, len(t)):
-            keys = [c["arguments"].get("key") for c in t.nodes[i].info.get("tool_calls", []) if c.get("name") == "lookup"]
+            calls = t.nodes[i].info.get("tool_calls", [])
+            keys = [c["arguments"].get("key") for c in calls if c.get("name") == "lookup"]
             new = {k for k in keys if k in chain and k not in seen[t.nodes[i].parent]}
             seen[i] = seen[t.nodes[i].parent] | set(keys)
             out[i] = ("value" if chain[-1] in new else "hop") if new else "other"
@@ -131,8 +135,9 @@ def main(argv=None) -> dict:
         m.update(breakdown(res.for_packed(packed)))
         rows[name] = m
 
-    # The ceiling any reader can reach on these labels: a Bayes reader of the transcript format gives the
-    # gold digit probability 1 once the context resolves the asked key, 1/10 before (uniform guesses).
+    # A yardstick reader that knows only the chain rule: the gold digit has probability 1 once the context
+    # resolves the asked key, 1/10 before (uniform). Not a ceiling on value reveals: a gold digit seen before
+    # its chain is resolved is already evidence (irrelevant keys never hold it), which the warm start uses.
     oracle = []
     for t in trees:
         ell = torch.full((len(t),), float("nan"))
@@ -158,11 +163,13 @@ def main(argv=None) -> dict:
             if resolve_in_context(words, t.meta["chain"][0]) is not None:
                 resolved += 1
                 correct += int(node.reward > 0.5)
-    out = {"checkpoint": str(ckpt), "policy": args.policy or str(ckpt), "trajectories": len(rewards), "reward_mean": sum(rewards) / len(rewards),
+    out = {"checkpoint": str(ckpt), "policy": args.policy or str(ckpt), "trajectories": len(rewards),
+           "reward_mean": sum(rewards) / len(rewards),
            "answers_after_resolution": resolved, "reading_accuracy": correct / max(resolved, 1),
            "turns_scored": rows["warm_start"]["credit/useful_turns"] + rows["warm_start"]["credit/other_turns"],
            "references": rows}
-    print(f"{len(rewards)} trajectories of {'the warm policy' if args.policy is None else args.policy}, reward {out['reward_mean']:.3f}, reading accuracy "
+    who = "the warm policy" if args.policy is None else args.policy
+    print(f"{len(rewards)} trajectories of {who}, reward {out['reward_mean']:.3f}, reading accuracy "
           f"{out['reading_accuracy']:.3f} over {resolved} answers after the chain was resolved")
     print("| reference | credit/auc (δ) | credit/auc_R | mean δ useful | mean δ other | useful / other turns | "
           "AUC of δ, decisive turns |")
@@ -180,7 +187,8 @@ def main(argv=None) -> dict:
           + " | ".join(f"AUC R h={h} γ={g}" for h, g in grid) + " |")
     print("|---|---|---|---|---|" + "---|" * len(grid))
     for name, m in rows.items():
-        print(f"| {name} | {m['delta_hop']:.3f} | {m['auc_hop_vs_other']:.3f} | {m['auc_value_vs_other']:.3f} | {m['auc_R_hop_vs_other']:.3f} | "
+        print(f"| {name} | {m['delta_hop']:.3f} | {m['auc_hop_vs_other']:.3f} | {m['auc_value_vs_other']:.3f} | "
+              f"{m['auc_R_hop_vs_other']:.3f} | "
               + " | ".join(f"{m[f'auc_R_h{h}_g{g}']:.3f}" for h, g in grid) + " |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))

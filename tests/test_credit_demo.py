@@ -114,7 +114,8 @@ def test_demo_lookahead_credits_every_hop_of_the_longest_chain():
     kinds = ["tool"] * (longest + 2) + ["final"]
     t.add_path(0, [Node(0, [5], [1], [0.0], kind=k) for k in kinds], 1.0)
     labels = [[None] + [True] * longest + [False, False, False]]
-    ell = torch.tensor([math.log(0.1)] * longest + [0.0, 0.0, 0.0, float("nan")])  # root, hops, value, 2 others
+    # ℓ̄ after the root and the hops, then after the value, the repeat and the irrelevant turn; none after the answer
+    ell = torch.tensor([math.log(0.1)] * longest + [0.0, 0.0, 0.0, float("nan")])
     m = credit_accuracy(pack([t]), [t], ell, labels, dataclasses.replace(base.credit, enabled=True))
     assert m["credit/auc_R"] == 1.0
     assert m["credit/auc"] == pytest.approx((2 * 1.0 + 2 * (longest - 1) * 0.5) / (2 * longest))

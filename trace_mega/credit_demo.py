@@ -162,7 +162,8 @@ def run_credit_demo(out_dir: str | Path = "runs/credit_demo", config_path: Optio
 
 def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict], meta: dict) -> None:
     cols = ["steps_to_threshold", "seeds_reaching_threshold", "reward_first10", "reward_last10",
-            "turns_per_episode_first10", "turns_per_episode_last10", "credit_auc_mean", "credit_auc_R_mean", "credit_auc_R_last10", "wall_s"]
+            "turns_per_episode_first10", "turns_per_episode_last10", "credit_auc_mean", "credit_auc_R_mean",
+            "credit_auc_R_last10", "wall_s"]
     lines = [
         "# trace-mega credit demo", "",
         f"`synthetic_search`, {cfg.steps} steps x {len(meta['seeds'])} seeds per method, "

@@ -1,4 +1,5 @@
 """`trace-mega demo credit`: the summary arithmetic, and a shortened end-to-end run as a user runs it."""
+import dataclasses
 import json
 import math
 import os
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from trace_mega.credit_demo import METHODS, method_config, steps_to_threshold, summarize
@@ -38,6 +40,7 @@ def test_summary_counts_censored_runs_and_means_over_seeds():
     assert table["grpo"]["reward_last10"] == pytest.approx((1.2 / 3 + 0.0) / 2)
     assert table["grpo"]["turns_per_episode_last10"] == pytest.approx((2 + 1) / 2)
     assert table["grpo+credit"]["credit_auc_mean"] == pytest.approx(0.7)
+    assert table["grpo+credit"]["credit_auc_last10"] == pytest.approx(0.7)
     assert math.isnan(table["grpo"]["credit_auc_mean"])  # no probe without credit
 
 
@@ -51,6 +54,17 @@ def test_methods_differ_only_in_their_switches():
         assert c.seed == 2 and c.model.hf_checkpoint == "/ckpt" and c.steps == base.steps
         assert (c.allocation.root_rollouts_per_step, c.allocation.continuations_per_rollout) == (
             base.allocation.root_rollouts_per_step, base.allocation.continuations_per_rollout)  # equal budget
+
+
+def test_demo_composes_credit_by_the_auto_rule():
+    # tree+credit must keep its branch-point contrasts (broadcast), grpo+credit runs the paper's anchored rule.
+    from trace_mega.learner.advantages import resolve_mixing
+
+    base = load_yaml(TrainConfig, ROOT / "configs" / "credit_demo.yaml")
+    assert base.credit.mixing == "auto"
+    mix = {m: resolve_mixing(c.credit, c.advantage) for m in ("grpo+credit", "tree+credit")
+           for c in [method_config(base, m, 0, "/ckpt", Path("/out"))]}
+    assert mix == {"grpo+credit": "anchored", "tree+credit": "broadcast"}
 
 
 @pytest.mark.slow
@@ -84,3 +98,26 @@ def test_turns_per_episode_counts_shared_prefix_turns():
     t.add_path(a, [Node(0, [5], [1], [0.0]), Node(0, [6], [1], [0.0], kind="final")], 0.0)  # 3 turns
     t.add_path(0, [Node(0, [7], [1], [0.0], kind="final")], 0.0)  # 1 turn
     assert tree_metrics(pack([t]))["rollout/turns_per_episode"] == pytest.approx(2.0)
+
+
+def test_demo_lookahead_credits_every_hop_of_the_longest_chain():
+    # A 3-hop chain followed in order (hop, hop, value), then a repeat and an irrelevant lookup, scored by an
+    # oracle reader (gold likelihood 1/10 until the value shows, 1 after): δ ties the hops with the useless
+    # turns, while the demo's look-ahead R gives every hop a share of the value reveal.
+    from trace_mega.envs.synthetic_search import SyntheticSearchEnv
+    from trace_mega.learner.credit_metrics import credit_accuracy
+    from trace_mega.rollout.tree import Node, RolloutTree, pack
+
+    base = load_yaml(TrainConfig, ROOT / "configs" / "credit_demo.yaml")
+    longest = max(SyntheticSearchEnv(num_tasks=1, num_test_tasks=0).hops)
+    t = RolloutTree("t", [1, 2], gold_answer="7")
+    kinds = ["tool"] * (longest + 2) + ["final"]
+    t.add_path(0, [Node(0, [5], [1], [0.0], kind=k) for k in kinds], 1.0)
+    labels = [[None] + [True] * longest + [False, False, False]]
+    # ℓ̄ after the root and the hops, then after the value, the repeat and the irrelevant turn; none after the answer
+    ell = torch.tensor([math.log(0.1)] * longest + [0.0, 0.0, 0.0, float("nan")])
+    m = credit_accuracy(pack([t]), [t], ell, labels, dataclasses.replace(base.credit, enabled=True))
+    assert m["credit/auc_R"] == 1.0
+    assert m["credit/auc"] == pytest.approx((2 * 1.0 + 2 * (longest - 1) * 0.5) / (2 * longest))
+    short = dataclasses.replace(base.credit, enabled=True, lookahead_turns=longest - 1)
+    assert credit_accuracy(pack([t]), [t], ell, labels, short)["credit/auc_R"] < 1.0  # the first hop gets 0

@@ -101,6 +101,8 @@ def summarize(runs: dict[str, list[list[dict]]], steps: int, threshold: float, w
                                                 for rows in seeds]),
             "credit_auc_mean": _mean([_mean([r.get("credit/auc", math.nan) for r in rows]) for rows in seeds]),
             "credit_auc_R_mean": _mean([_mean([r.get("credit/auc_R", math.nan) for r in rows]) for rows in seeds]),
+            "credit_auc_last10": _mean([_last(rows, "credit/auc", 10) for rows in seeds]),
+            "credit_auc_R_last10": _mean([_last(rows, "credit/auc_R", 10) for rows in seeds]),
         }
     return table
 
@@ -160,7 +162,8 @@ def run_credit_demo(out_dir: str | Path = "runs/credit_demo", config_path: Optio
 
 def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict], meta: dict) -> None:
     cols = ["steps_to_threshold", "seeds_reaching_threshold", "reward_first10", "reward_last10",
-            "turns_per_episode_first10", "turns_per_episode_last10", "credit_auc_mean", "credit_auc_R_mean", "wall_s"]
+            "turns_per_episode_first10", "turns_per_episode_last10", "credit_auc_mean", "credit_auc_R_mean",
+            "credit_auc_R_last10", "wall_s"]
     lines = [
         "# trace-mega credit demo", "",
         f"`synthetic_search`, {cfg.steps} steps x {len(meta['seeds'])} seeds per method, "

@@ -34,7 +34,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation ends after emitting one of these (the stop token is included in the output)."""
     seed: Optional[int] = None
-    """Per-request seed; request i uses seed + i, so results do not depend on batching."""
+    """Base seed of the call: request i uses seed + i (when `seeds` is not given)."""
+    seeds: Optional[list[int]] = None
+    """One seed per request (the agent loop derives them from the episode, never from batching or
+    from which replica serves it); overrides `seed`."""
+
+    def request_seed(self, i: int) -> Optional[int]:
+        """The seed of request i of the call (None: unseeded)."""
+        if self.seeds is not None:
+            return int(self.seeds[i])
+        return None if self.seed is None else self.seed + i
 
 
 @dataclass

@@ -159,7 +159,7 @@ class VLLMEngine(Engine):
                 stop_token_ids=stop,
                 logprobs=0,
                 detokenize=False,
-                seed=None if sampling.seed is None else sampling.seed + i,
+                seed=sampling.request_seed(i),
             )
             for i in range(len(prefixes))
         ]

@@ -210,10 +210,14 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks."""
     micro_batch_tokens: int = 4096
     """Packed tokens per micro-batch."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of the process group's collectives: a rank that never reaches one (a hung engine or
+    tool on another replica) fails the step after this long instead of waiting forever."""
 
     def validate(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
+        require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
 
 
 @dataclass

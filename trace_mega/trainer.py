@@ -11,9 +11,12 @@ engine gets the new weights in memory).
 Which allocator, advantage estimator, environment and engine run is chosen by
 name in the config; every allocator spends the same trajectory budget.
 Distributed runs (torchrun): every rank joins the model forwards (they are TP
-collectives); rank 0 hosts the engine and runs the environment episodes
-(`RolloutCollector`), every rank receives the same trees and takes the same
-allocation decisions.
+collectives). Every data-parallel replica (one model-parallel group) has its
+own engine and rolls out its share of the step's prompts
+(`trace_mega/rollout/replicas.py`, `RolloutCollector`); the trees are
+all-gathered after each rollout phase, so every rank holds the same step
+record and takes the same (global) allocation decisions with the step's
+generator, and the learner trains on each rank's share.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from trace_mega.learner.probe import check_task_answers
 from trace_mega.predictor import build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
 from trace_mega.rollout.engines import EngineSetup, build_engine
+from trace_mega.rollout.replicas import ReplicaLayout
 from trace_mega.sampler import PromptSampler, SamplerState
 from trace_mega.step import StepBatch
 from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer, tree_metrics
@@ -58,14 +62,17 @@ class Trainer:
         if cfg.credit.enabled:  # refuse gold answers the probe cannot score before building anything
             check_task_answers(self.tasks, self._encode, cfg.credit.answer_template, cfg.credit.max_answer_tokens)
         self.learner = Learner(cfg)
-        self.is_main = self.learner.groups.rank == 0
+        g = self.learner.groups
+        self.is_main = g.rank == 0
+        layout = ReplicaLayout.from_groups(g)
         engine = build_engine(EngineSetup(
             rollout=cfg.rollout, seed=cfg.seed, eos_token_ids=[self.tokenizer.eos_token_id],
             device=self.learner.groups.device, policy_config=hf_config(self.learner.model_cfg),
             checkpoint_dir=cfg.model.hf_checkpoint, write_checkpoint=self.learner.save_hf,
-            work_dir=Path(cfg.telemetry.out_dir), host=self.is_main))
+            work_dir=Path(cfg.telemetry.out_dir), host=layout.leader,
+            replica_size=g.tp_size * g.pp_size, distributed=g.world_size > 1))
         self.rollouts = RolloutCollector(self.env, engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s,
-                                         max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn)
+                                         max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn, layout=layout)
         # On GPU the solvers run on the predictions' device without host syncs: no input
         # validation and a static prefix-table width (the most prefixes one prompt can have).
         on_gpu = self.learner.groups.device.type == "cuda"

@@ -108,8 +108,9 @@ class RolloutConfig:
     kv_block_size_tokens: Optional[int] = None
     """vLLM KV-cache block size (prefix-cache hits come in whole blocks); None: vLLM's default."""
     tensor_parallel_size: Optional[int] = None
-    """GPUs of one rollout replica (vLLM tensor parallel, experts spread over them); None: the learner's TP x PP.
-    `trace-mega plan` sizes the engines with it (today the trainer runs one engine on rank 0; README "Scaling out")."""
+    """Ranks of one rollout replica (vLLM tensor parallel, experts spread over them); None: the learner's TP x PP.
+    With PP = 1 a multiple of the learner's TP dividing the world size (a replica is that many consecutive
+    ranks); `trace-mega plan` sizes the engines with it (README "Scaling out")."""
 
     def validate(self) -> None:
         require(self.tensor_parallel_size is None or self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")

@@ -64,13 +64,13 @@ class Trainer:
         self.learner = Learner(cfg)
         g = self.learner.groups
         self.is_main = g.rank == 0
-        layout = ReplicaLayout.from_groups(g)
+        layout = ReplicaLayout.from_groups(g, cfg.rollout.tensor_parallel_size)
         engine = build_engine(EngineSetup(
             rollout=cfg.rollout, seed=cfg.seed, eos_token_ids=[self.tokenizer.eos_token_id],
             device=self.learner.groups.device, policy_config=hf_config(self.learner.model_cfg),
             checkpoint_dir=cfg.model.hf_checkpoint, write_checkpoint=self.learner.save_hf,
             work_dir=Path(cfg.telemetry.out_dir), host=layout.leader,
-            replica_size=g.tp_size * g.pp_size, distributed=g.world_size > 1))
+            replica_size=g.world_size // layout.num_replicas, distributed=g.world_size > 1))
         self.rollouts = RolloutCollector(self.env, engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s,
                                          max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn, layout=layout)
         # On GPU the solvers run on the predictions' device without host syncs: no input

@@ -130,3 +130,24 @@ def test_two_replicas_share_trees_and_a_failure_fails_every_rank():
     failed = _spawn(counts, fail_rank=1)
     for r in (0, 1):
         assert "rank 1 (replica 1): RuntimeError: engine fell over" in failed[r].get("error", ""), failed
+
+
+def test_layout_from_the_learner_groups():
+    from types import SimpleNamespace
+
+    def g(rank, world, tp, pp=1):
+        dp = world // (tp * pp)
+        return SimpleNamespace(rank=rank, world_size=world, tp_size=tp, pp_size=pp, tp_rank=rank % tp,
+                               pp_rank=rank // (tp * dp), dp_rank=(rank // tp) % dp, dp_size=dp)
+
+    # TP 2 on 8 ranks: a replica per TP group (= per DP rank), led by its first rank.
+    assert [ReplicaLayout.from_groups(g(r, 8, 2)).replica for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [ReplicaLayout.from_groups(g(r, 8, 2)).leader for r in range(4)] == [True, False, True, False]
+    # rollout.tensor_parallel_size 4 over learner TP 2: one replica spans two DP ranks.
+    four = [ReplicaLayout.from_groups(g(r, 8, 2), 4) for r in range(8)]
+    assert [x.replica for x in four] == [0, 0, 0, 0, 1, 1, 1, 1] and four[0].num_replicas == 2
+    # PP 2 x DP 2 (TP 1): stage-major ranks, a replica is {dp r on stage 0, dp r on stage 1}.
+    pp = [ReplicaLayout.from_groups(g(r, 4, 1, pp=2)) for r in range(4)]
+    assert [x.replica for x in pp] == [0, 1, 0, 1] and [x.leader for x in pp] == [True, True, False, False]
+    with pytest.raises(ValueError, match="multiple of the learner's TP"):
+        ReplicaLayout.from_groups(g(0, 8, 2), 3)

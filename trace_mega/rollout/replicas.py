@@ -2,8 +2,9 @@
 
 Layout (docs/design.md §3.4, distribution): the ranks of one model-parallel
 group of the learner (TP x PP, as megatron lays them out) form one rollout
-replica; there are as many replicas as data-parallel ranks. The replica's
-first rank (tp_rank = pp_rank = 0) is its *leader*: it hosts the in-process
+replica, so there are as many replicas as data-parallel ranks
+(`rollout.tensor_parallel_size` may make a replica span several of them:
+consecutive ranks, PP = 1). The replica's first rank is its *leader*: it hosts the in-process
 torch engine and runs the replica's environment episodes (a vLLM replica runs
 the engine on every rank of the group, `external_launcher`, and every rank
 runs the same episodes; the leader's trees are the replica's).
@@ -55,9 +56,22 @@ class ReplicaLayout:
         return cls(0, 1, True, 0)
 
     @classmethod
-    def from_groups(cls, g: Any) -> "ReplicaLayout":
-        """From the learner's `ParallelGroups`: one replica per data-parallel rank."""
-        return cls(g.dp_rank, g.dp_size, g.tp_rank == 0 and g.pp_rank == 0, g.rank)
+    def from_groups(cls, g: Any, size: Optional[int] = None) -> "ReplicaLayout":
+        """From the learner's `ParallelGroups`: replicas of `size` ranks (default TP x PP, i.e. one
+        per data-parallel rank). With PP = 1 megatron's TP groups are runs of consecutive ranks, so
+        a replica is `size` consecutive ranks, `size` a multiple of TP (a replica never splits a TP
+        group; `rollout.tensor_parallel_size` may span several learner DP ranks)."""
+        mp = g.tp_size * g.pp_size
+        size = mp if size is None else int(size)
+        if g.pp_size > 1:
+            if size != mp:
+                raise ValueError(f"rollout.tensor_parallel_size {size} with pipeline stages: a replica is one "
+                                 f"model-parallel group (TP x PP = {mp})")
+            return cls(g.dp_rank, g.dp_size, g.tp_rank == 0 and g.pp_rank == 0, g.rank)
+        if size % g.tp_size or g.world_size % size:
+            raise ValueError(f"rollout.tensor_parallel_size {size} must be a multiple of the learner's TP "
+                             f"{g.tp_size} and divide the world size {g.world_size}")
+        return cls(g.rank // size, g.world_size // size, g.rank % size == 0, g.rank)
 
     @classmethod
     def from_world(cls) -> "ReplicaLayout":

@@ -16,6 +16,11 @@ EXACT = ("alloc/", "reward/", "data/", "rollout/generated_tokens", "rollout/trun
          "rollout/parse_errors", "rollout/turns_per_episode", "loss/units", "loss/optimizer_steps", "predictor/samples")
 
 
+# Differences of two nearly equal log-prob streams (engine vs learner, policy vs reference): their
+# float noise (~1e-7) is not relative to their size, so they are compared absolutely.
+DIFFERENCES = ("loss/logprob_mismatch", "loss/kl_ref", "loss/approx_kl")
+
+
 def _torchrun(out, *overrides):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, f"telemetry.out_dir={out}", *overrides]
@@ -28,23 +33,36 @@ def _close(a: float, b: float, rel: float, abs_: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b or math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
 
 
+# TRACE-C on the demo's own environment: the probe's process rewards make the loss non-zero
+# even before any episode succeeds (its random policy earns no reward in two steps).
+CREDIT = ["steps=2", "credit.enabled=true", "credit.answer_template=goal", "loss.kl_coef=0.01"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("allocator", ["trace", "trace_global"])
-def test_dp2_equals_dp1(tmp_path, allocator):
-    one = _train(tmp_path / "dp1", *RUN, f"allocation.name={allocator}")
-    two = _torchrun(tmp_path / "dp2", *RUN, f"allocation.name={allocator}")
+@pytest.mark.parametrize("run", [[*RUN, "allocation.name=trace"], [*RUN, "allocation.name=trace_global"], CREDIT],
+                         ids=["trace", "trace_global", "trace_c_probe"])
+def test_dp2_equals_dp1(tmp_path, run):
+    one = _train(tmp_path / "dp1", *run)
+    two = _torchrun(tmp_path / "dp2", *run)
     assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1]
-    assert sum(r["reward/mean"] for r in one) > 0 and any(r["loss/total"] != 0 for r in one)  # not a trivial run
+    assert any(r["loss/total"] != 0 for r in one)  # not a trivial run
+    assert run is CREDIT or sum(r["reward/mean"] for r in one) > 0
+    bad = []
     for a, b in zip(one, two):
         assert a["rollout/replicas_generating"] == 1 and b["rollout/replicas_generating"] == 2
         assert b["rollout/replica_trajectories_min"] > 0
         assert b["rollout/replica_trajectories_min"] + b["rollout/replica_trajectories_max"] <= a["alloc/trajectories"]
         for k, v in a.items():
             if k.startswith(EXACT):
-                assert b[k] == v or (v != v and b[k] != b[k]), (a["step"], k, v, b[k])
-            elif k == "loss/logprob_mismatch":  # float noise of two forwards (~1e-7), not a loss
-                assert abs(b[k] - v) < 1e-6, (k, v, b[k])
+                ok = b[k] == v or (v != v and b[k] != b[k])
+            elif k in DIFFERENCES:
+                ok = abs(b[k] - v) < 1e-6
             elif k.startswith("loss/"):
-                assert _close(v, b[k], 1e-5, 1e-9), (a["step"], k, v, b[k])
-            elif k.startswith("predictor/"):
-                assert _close(v, b[k], 1e-4, 1e-7), (a["step"], k, v, b[k])
+                ok = _close(v, b[k], 1e-5, 1e-9)
+            elif k.startswith(("predictor/", "credit/")):
+                ok = _close(v, b[k], 1e-4, 1e-7)
+            else:
+                continue
+            if not ok:
+                bad.append((a["step"], k, v, b[k]))
+    assert not bad, bad

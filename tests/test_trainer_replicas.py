@@ -66,3 +66,34 @@ def test_dp2_equals_dp1(tmp_path, run):
             if not ok:
                 bad.append((a["step"], k, v, b[k]))
     assert not bad, bad
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_under_dp2_resumes_with_the_same_data_order(tmp_path):
+    """Kill a DP = 2 run (the whole process group) while step 2 is in flight; the resumed DP = 2 run
+    logs the same prompts and rewards as an uninterrupted DP = 1 run."""
+    import os
+    import signal
+    import time
+
+    steps = ["steps=4", "checkpoint.every_steps=1"]
+    ref = _train(tmp_path / "ref", *steps, f"checkpoint.dir={tmp_path / 'ck_ref'}")
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, *steps, f"telemetry.out_dir={out}",
+           f"checkpoint.dir={ck}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+    proc.wait()
+    rows = _torchrun(out, *steps, f"checkpoint.dir={ck}")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["data/prompt_hash"] for r in rows] == [r["data/prompt_hash"] for r in ref]
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref]
+    assert [r["alloc/trajectories"] for r in rows] == [r["alloc/trajectories"] for r in ref]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from trace_mega.rollout.tree import RolloutTree
 
-__all__ = ["ReplicaLayout", "ReplicaError", "assign_prompts", "exchange"]
+__all__ = ["ReplicaLayout", "ReplicaError", "assign_prompts", "exchange", "stats_delta"]
 
 
 class ReplicaError(RuntimeError):

@@ -112,8 +112,9 @@ class RolloutConfig:
     kv_block_size_tokens: Optional[int] = None
     """vLLM KV-cache block size (prefix-cache hits come in whole blocks); None: vLLM's default."""
     tensor_parallel_size: Optional[int] = None
-    """GPUs of one rollout replica (vLLM tensor parallel, experts spread over them); None: the learner's TP x PP.
-    `trace-mega plan` sizes the engines with it (today the trainer runs one engine on rank 0; README "Scaling out")."""
+    """Ranks of one rollout replica (vLLM tensor parallel, experts spread over them); None: the learner's TP x PP.
+    With PP = 1 a multiple of the learner's TP dividing the world size (a replica is that many consecutive
+    ranks); `trace-mega plan` sizes the engines with it (README "Scaling out")."""
 
     def validate(self) -> None:
         require(self.tensor_parallel_size is None or self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
@@ -214,10 +215,14 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks."""
     micro_batch_tokens: int = 4096
     """Packed tokens per micro-batch."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of the process group's collectives: a rank that never reaches one (a hung engine or
+    tool on another replica) fails the step after this long instead of waiting forever."""
 
     def validate(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             require(getattr(self, name) >= 1, name, "must be >= 1")
+        require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0")
 
 
 @dataclass

@@ -108,8 +108,8 @@ class SearchTranscriptEngine(Engine):
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         out = []
         for i, prefix in enumerate(prefixes):
-            # Seeded by the wave's seed, the request and its prefix: the same rollout call, the same transcripts.
-            digest = hashlib.sha256(repr((sampling.seed, i, prefix)).encode()).digest()
+            # Seeded by the request's seed and its prefix: the same episode, the same transcript.
+            digest = hashlib.sha256(repr((sampling.request_seed(i), prefix)).encode()).digest()
             ids = self._turn(prefix, random.Random(int.from_bytes(digest[:8], "little")))
             out.append(Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop"))
         return out

@@ -11,9 +11,12 @@ engine gets the new weights in memory).
 Which allocator, advantage estimator, environment and engine run is chosen by
 name in the config; every allocator spends the same trajectory budget.
 Distributed runs (torchrun): every rank joins the model forwards (they are TP
-collectives); rank 0 hosts the engine and runs the environment episodes
-(`RolloutCollector`), every rank receives the same trees and takes the same
-allocation decisions.
+collectives). Every data-parallel replica (one model-parallel group) has its
+own engine and rolls out its share of the step's prompts
+(`trace_mega/rollout/replicas.py`, `RolloutCollector`); the trees are
+all-gathered after each rollout phase, so every rank holds the same step
+record and takes the same (global) allocation decisions with the step's
+generator, and the learner trains on each rank's share.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from trace_mega.allocation import Allocator, build_allocator
@@ -33,11 +37,13 @@ from trace_mega.evaluation import EvalReport, evaluate
 from trace_mega.export import policy_tokenizer, write_hf_extras
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.credit_metrics import env_credit_accuracy
-from trace_mega.learner.learner import Learner, hf_config
+from trace_mega.learner.learner import Learner, balanced_bins, hf_config
 from trace_mega.learner.probe import check_task_answers
 from trace_mega.predictor import build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
 from trace_mega.rollout.engines import EngineSetup, build_engine
+from trace_mega.rollout.replicas import ReplicaLayout
+from trace_mega.rollout.tree import PackedTrees
 from trace_mega.sampler import PromptSampler, SamplerState
 from trace_mega.step import StepBatch
 from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer, tree_metrics
@@ -58,15 +64,18 @@ class Trainer:
         if cfg.credit.enabled:  # refuse gold answers the probe cannot score before building anything
             check_task_answers(self.tasks, self._encode, cfg.credit.answer_template, cfg.credit.max_answer_tokens)
         self.learner = Learner(cfg)
-        self.is_main = self.learner.groups.rank == 0
+        g = self.learner.groups
+        self.is_main = g.rank == 0
+        layout = ReplicaLayout.from_groups(g, cfg.rollout.tensor_parallel_size)
         engine = build_engine(EngineSetup(
             rollout=cfg.rollout, seed=cfg.seed,
             dtype=cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype, eos_token_ids=[self.tokenizer.eos_token_id],
             device=self.learner.groups.device, policy_config=hf_config(self.learner.model_cfg),
             checkpoint_dir=cfg.model.hf_checkpoint, write_checkpoint=self.learner.save_hf,
-            work_dir=Path(cfg.telemetry.out_dir), host=self.is_main))
+            work_dir=Path(cfg.telemetry.out_dir), host=layout.leader,
+            replica_size=g.world_size // layout.num_replicas, distributed=g.world_size > 1))
         self.rollouts = RolloutCollector(self.env, engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s,
-                                         max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn)
+                                         max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn, layout=layout)
         # On GPU the solvers run on the predictions' device without host syncs: no input
         # validation and a static prefix-table width (the most prefixes one prompt can have).
         on_gpu = self.learner.groups.device.type == "cuda"
@@ -137,11 +146,43 @@ class Trainer:
     def _predict(self, batch: StepBatch, nodes: torch.Tensor, allocator: Allocator) -> torch.Tensor:
         """(S,) predicted success of `nodes` of the step's layout, on the learner's device; zeros, with
         no forward at all, for an allocator that does not read them."""
+        g = self.learner.groups
         if not allocator.uses_predictor or nodes.numel() == 0:
-            return torch.zeros(nodes.numel(), dtype=torch.float64, device=self.learner.groups.device)
+            return torch.zeros(nodes.numel(), dtype=torch.float64, device=g.device)
+        if self.predictor.needs_policy_hidden and g.dp_size > 1 and g.pp_size == 1:
+            return self._predict_split(batch.packed, nodes)
         if self.predictor.needs_policy_hidden:
             self.learner.encode(batch)
         return self.predictor.score(batch, nodes)
+
+    def _predict_split(self, packed: PackedTrees, nodes: torch.Tensor) -> torch.Tensor:
+        """`_predict` with the policy forward split over data-parallel ranks: each DP rank (with its
+        TP peers) encodes only its share of the trees that hold `nodes` (`balanced_bins` on tokens,
+        the same on every rank), scores their nodes, and the (index, value) pairs are all-gathered
+        over DP, so every rank gets all S predictions without repeating another rank's forward."""
+        g = self.learner.groups
+        node_tree = packed.node_tree[nodes.cpu()]
+        trees = sorted(set(node_tree.tolist()))
+        bounds = torch.cat([packed.node_start[packed.tree_node_offset[:-1]], torch.tensor([packed.num_tokens])])
+        tokens = (bounds[1:] - bounds[:-1]).tolist()  # per tree
+        share = [trees[j] for j in balanced_bins([tokens[t] for t in trees], g.dp_size)[g.dp_rank]]
+        idx, vals = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
+        if share:
+            sub = packed.select(share)
+            pos = torch.full((packed.num_trees,), -1, dtype=torch.long)
+            pos[torch.tensor(share)] = torch.arange(len(share))
+            idx = torch.nonzero(pos[node_tree] >= 0).flatten()
+            mine = nodes.cpu()[idx]
+            t = node_tree[idx]
+            # global node id -> the same node in the sub-layout (trees keep their internal numbering)
+            local = mine - packed.tree_node_offset[t] + sub.tree_node_offset[pos[t]]
+            vals = self.predictor.predict(sub, local, self.learner.hidden_states(sub)).double().cpu()
+        gathered: list = [None] * g.dp_size
+        dist.all_gather_object(gathered, (idx, vals), group=g.pgs.dp)
+        out = torch.zeros(nodes.numel(), dtype=torch.float64)
+        for i, v in gathered:
+            out[i] = v
+        return out.to(g.device)
 
     def _credit(self, batch: StepBatch) -> dict[str, float]:
         """TRACE-C probe values (when enabled) and the advantages of the step's final trees; returns the

@@ -3,7 +3,7 @@
 A *script* maps (prefix token ids, per-request RNG) to the token ids the
 "model" wants to emit. The engine applies the sampling contract on top:
 generation ends after the first stop token (included) or after
-`max_new_tokens` (finish "length"); request i is seeded with `seed + i`.
+`max_new_tokens` (finish "length"); request i is seeded with `sampling.request_seed(i)`.
 Log-probs are a deterministic function of (prefix length, position) so tests
 can check that they land on the right tokens. Every call is recorded.
 """
@@ -35,7 +35,7 @@ class ScriptedEngine(Engine):
         out = []
         stops = set(sampling.stop_token_ids)
         for i, prefix in enumerate(prefixes):
-            rng = random.Random((sampling.seed or 0) + i)
+            rng = random.Random(sampling.request_seed(i) or 0)
             want = list(self.script(list(prefix), rng))
             ids, reason = [], "length"
             for tok in want:

@@ -119,8 +119,10 @@ class Env(ABC):
         return None
 
     def reseed(self, seed: int) -> None:
-        """Reset the environment's own randomness (the trainer calls it every step, so a
-        resumed run replays the same episodes). Deterministic environments ignore it."""
+        """Reset the environment's own randomness. The agent loop calls it right before every
+        `reset` / `fork` with a seed derived from the episode (trace_mega/rollout/agent_loop.py), so
+        randomness drawn there depends on the episode alone, not on which episodes ran before on
+        this process (rollout replicas); keep it cheap. Deterministic environments ignore it."""
 
     def close(self) -> None:
         """Release resources (worker processes, indices)."""

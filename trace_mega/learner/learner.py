@@ -47,7 +47,7 @@ from trace_mega.learner.losses import aggregation_mode, compute_loss, rollout_is
 from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight, unwrap
 from trace_mega.learner.optim import build_optimizer, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
-from trace_mega.learner.probe import megatron_packed_forward, reference_probe
+from trace_mega.learner.probe import ProbeResult, megatron_packed_forward, reference_probe
 from trace_mega.rollout.tree import PackedTrees
 
 if TYPE_CHECKING:
@@ -249,15 +249,32 @@ class Learner:
     @torch.no_grad()
     def probe(self, batch: "StepBatch", tokenize: Callable[[str], list[int]], template: str) -> torch.Tensor:
         """TRACE-C: (N,) ℓ̄ of the gold answer at the boundary after every node of the step's layout,
-        from the frozen reference."""
+        from the frozen reference. Each data-parallel rank (with its TP peers) probes its share of the
+        trees (`balanced_bins` on tokens, the same on every rank; PP = 1) and the per-tree values are
+        all-gathered over DP, so no rank repeats another's forward."""
         if self.reference is None:
             raise RuntimeError("no reference model: TRACE-C needs credit.enabled at construction")
-        return reference_probe(
-            megatron_packed_forward(self.reference), batch.trees, tokenize, template,
-            output_weight=output_weight(self.reference), tp_group=self.groups.pgs.tp,
+        g, trees = self.groups, batch.trees
+        share = list(range(len(trees)))
+        if g.dp_size > 1:
+            start, end = _tree_token_ranges(batch.packed)
+            share = balanced_bins([e - s for s, e in zip(start, end)], g.dp_size)[g.dp_rank]
+        ell = reference_probe(
+            megatron_packed_forward(self.reference), [trees[i] for i in share], tokenize, template,
+            output_weight=output_weight(self.reference), tp_group=g.pgs.tp,
             vocab_start=self._vocab_start(self.reference), max_tokens=self.cfg.parallel.micro_batch_tokens,
             max_answer_tokens=self.cfg.credit.max_answer_tokens, vocab_size=self.model_cfg.vocab_size,
-        ).for_packed(batch.packed)
+        ).ell if share else []
+        result = ProbeResult(list(ell))
+        if g.dp_size > 1:
+            gathered: list = [None] * g.dp_size
+            dist.all_gather_object(gathered, (share, [e.cpu() for e in ell]), group=g.pgs.dp)
+            full: list = [None] * len(trees)
+            for ids, values in gathered:
+                for i, e in zip(ids, values):
+                    full[i] = e
+            result = ProbeResult(full)
+        return result.for_packed(batch.packed)
 
     # --- training ------------------------------------------------------------------
     @torch.no_grad()

@@ -6,11 +6,11 @@ on GPU), turns on the CPU compatibility layer when the device is CPU, calls
 megatron's `initialize_model_parallel(tp, pp, ep)` and seeds megatron's RNG
 tracker. It returns a `ParallelGroups`: the ranks/sizes and megatron's
 `ProcessGroupCollection`, which the model, optimizer and step code receive as
-an argument instead of reading globals. `broadcast_trees` hands one rank's
-rollout trees to every rank.
+an argument instead of reading globals.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -23,9 +23,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from trace_mega.config import ParallelConfig
 from trace_mega.learner.cpu_compat import enable_cpu_compat
-from trace_mega.rollout.tree import RolloutTree
 
-__all__ = ["ParallelGroups", "init_parallel", "destroy_parallel", "resolve_device", "free_port", "broadcast_trees"]
+__all__ = ["ParallelGroups", "init_parallel", "destroy_parallel", "resolve_device", "free_port"]
 
 
 @dataclass(frozen=True)
@@ -81,12 +80,14 @@ def init_parallel(cfg: ParallelConfig, seed: int = 0) -> ParallelGroups:
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
         if world_size == 1 and "MASTER_PORT" not in os.environ:
             # A lone process (no torchrun): its own free port, passed directly rather than through
             # os.environ, which every subprocess it starts would inherit (and collide on).
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
         else:
-            dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     tp, pp, ep = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.expert_model_parallel_size
     if world_size % (tp * pp) != 0:
         raise ValueError(f"world size {world_size} is not a multiple of TP*PP = {tp * pp}")
@@ -124,13 +125,3 @@ def destroy_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def broadcast_trees(trees: Optional[list[RolloutTree]], src: int = 0) -> list[RolloutTree]:
-    """Rank `src`'s trees (records only, not the kept env states) on every rank; pass None elsewhere."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return trees
-    payload = [[t.to_dict() for t in trees] if dist.get_rank() == src else None]
-    dist.broadcast_object_list(payload, src=src)
-    if dist.get_rank() == src:
-        return trees
-    return [RolloutTree.from_dict(d) for d in payload[0]]

@@ -39,15 +39,26 @@ Branching needs the environment state after every turn: the loop keeps one
 `EpisodeState` per non-terminal node in ``tree.runtime["states"]`` (tools run on
 a fresh `env.fork` of it, so a stored state is never mutated). Trees loaded
 from JSONL have no states and cannot be expanded; `release` drops them.
+
+Seeds (docs/design.md §3.4; results must not depend on how many replicas
+roll out, nor on which episodes share an engine call): every episode has its
+own seed, derived from the call's seed, its tree's key (the caller's prompt
+index, `keys`) and its origin — bare rollout j, or continuation c branched
+at node n. The engine request of each turn is seeded from (episode seed,
+turn), and the environment is reseeded (`Env.reseed`) from (episode seed,
+what, turn) right before every `env.reset` / `env.fork`, so an environment
+that draws its episode randomness from one master RNG at reset/fork time
+(the synthetic ones) gives an episode the same randomness whatever ran
+before it on this process.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
-import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, EpisodeState, ParsedTurn, Task, ToolCall
@@ -94,6 +105,15 @@ class _Episode:
     prefix: list[int]
     state: EpisodeState
     turns: int
+    seed: int
+    """The episode's own seed (`derive_seed` of its origin): its engine requests and env draws derive from it."""
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 62-bit seed that depends only on `parts` (ints and strings): stable across processes,
+    Python versions and hash randomisation (unlike `hash`)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 @dataclass
@@ -174,10 +194,17 @@ class AgentLoop:
         self.last_stats = RolloutStats()
 
     # --- public API ---------------------------------------------------------------
-    def rollout(self, tasks: list[Task], counts: list[int], seed: int = 0) -> list[RolloutTree]:
-        """`counts[i]` bare rollouts of `tasks[i]`; one tree per task, in order (count 0: root only)."""
-        if len(tasks) != len(counts):
-            raise ValueError(f"{len(tasks)} tasks but {len(counts)} counts")
+    def rollout(self, tasks: list[Task], counts: list[int], seed: int = 0,
+                keys: Optional[Sequence[Hashable]] = None) -> list[RolloutTree]:
+        """`counts[i]` bare rollouts of `tasks[i]`; one tree per task, in order (count 0: root only).
+
+        `keys[i]` identifies tree i for seeding (default: i); a caller that rolls out one step's
+        prompts in pieces (replicas) passes each prompt's index in the whole step, so rollout j of a
+        prompt is the same episode whichever piece it is in. The key is kept in `tree.runtime`.
+        """
+        keys = list(range(len(tasks))) if keys is None else list(keys)
+        if len(tasks) != len(counts) or len(keys) != len(tasks):
+            raise ValueError(f"{len(tasks)} tasks but {len(counts)} counts and {len(keys)} keys")
         if any(int(c) != c or c < 0 for c in counts):
             raise ValueError(f"counts must be non-negative integers, got {counts}")
         trees, episodes = [], []
@@ -185,11 +212,15 @@ class AgentLoop:
             prompt = self.scaffold.prompt_ids(task)
             tree = RolloutTree(task.task_id, prompt, prompt_text=self.scaffold.decode(prompt),
                                gold_answer=task.gold_answer, meta={"env": self.env.name, **_json_safe(task.meta)})
+            self.env.reseed(derive_seed(seed, keys[ti], "reset"))
             root_state = self.env.reset(task)
-            tree.runtime = {"states": {0: root_state}}
+            tree.runtime = {"states": {0: root_state}, "key": keys[ti]}
             trees.append(tree)
-            episodes += [_Episode(ti, 0, False, list(prompt), self.env.fork(root_state), 0) for _ in range(int(count))]
-        self._run(trees, episodes, seed)
+            for j in range(int(count)):
+                ep_seed = derive_seed(seed, keys[ti], "rollout", j)
+                self.env.reseed(derive_seed(ep_seed, "fork"))
+                episodes.append(_Episode(ti, 0, False, list(prompt), self.env.fork(root_state), 0, ep_seed))
+        self._run(trees, episodes)
         return trees
 
     def expand(self, trees: list[RolloutTree], branch_points: list[tuple[int, int, int]], seed: int = 0) -> None:
@@ -198,7 +229,7 @@ class AgentLoop:
         The environment state at the node is restored from the one kept during
         the rollout. Terminal nodes (leaves with a reward) cannot be branched.
         """
-        episodes = []
+        episodes, branched = [], {}
         for tree_idx, node_id, k in branch_points:
             if not 0 <= tree_idx < len(trees):
                 raise IndexError(f"branch point tree index {tree_idx} not in a batch of {len(trees)} trees")
@@ -215,18 +246,24 @@ class AgentLoop:
                                  "(loaded from JSONL, or released); it cannot be expanded")
             prefix = tree.prefix_token_ids(node_id)
             depth = tree.depth(node_id)
-            for _ in range(int(k)):
+            key = tree.runtime.get("key", tree_idx)
+            first = branched.get((tree_idx, node_id), 0)  # a node listed twice: its later continuations go on counting
+            branched[(tree_idx, node_id)] = first + int(k)
+            for c in range(first, first + int(k)):
+                ep_seed = derive_seed(seed, key, "branch", node_id, c)
                 # A state fork cannot copy is shared instead: an episode's state is never changed in place
                 # (tools run on forks), and the continuation's tool turns report the failure.
-                fork, _why = self._fork(states[node_id])
+                fork, _why = self._fork(states[node_id], derive_seed(ep_seed, "fork"))
                 episodes.append(_Episode(tree_idx, node_id, False, list(prefix),
-                                         states[node_id] if fork is None else fork, depth))
-        self._run(trees, episodes, seed)
+                                         states[node_id] if fork is None else fork, depth, ep_seed))
+        self._run(trees, episodes)
 
-    def _fork(self, state: EpisodeState) -> tuple[Optional[EpisodeState], str]:
-        """(`env.fork(state)`, "") or (None, why): a state the model made too deep or too large to copy
-        (RecursionError in a deepcopy) costs its own episode a turn, never the rollout."""
+    def _fork(self, state: EpisodeState, seed: int) -> tuple[Optional[EpisodeState], str]:
+        """(`env.fork(state)` after `env.reseed(seed)`, "") or (None, why): a state the model made too
+        deep or too large to copy (RecursionError in a deepcopy) costs its own episode a turn, never
+        the rollout."""
         try:
+            self.env.reseed(seed)
             return self.env.fork(state), ""
         except Exception as exc:  # noqa: BLE001
             return None, f"the environment state could not be copied ({type(exc).__name__}: {str(exc)[:200]})"
@@ -248,9 +285,8 @@ class AgentLoop:
         self.close()
 
     # --- the wave loop ----------------------------------------------------------
-    def _run(self, trees: list[RolloutTree], live: list[_Episode], seed: int) -> None:
+    def _run(self, trees: list[RolloutTree], live: list[_Episode]) -> None:
         stats = RolloutStats(episodes=len(live))
-        seeds = random.Random(seed)
         cfg = self.cfg
         while live:
             ready = []
@@ -263,7 +299,8 @@ class AgentLoop:
                 break
             sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                       max_new_tokens=cfg.max_new_tokens_per_turn,
-                                      stop_token_ids=list(self.scaffold.stop_token_ids), seed=seeds.getrandbits(31))
+                                      stop_token_ids=list(self.scaffold.stop_token_ids),
+                                      seeds=[derive_seed(ep.seed, "generate", ep.turns) for ep in ready])
             t0 = time.perf_counter()
             completions = self.engine.generate([ep.prefix for ep in ready], sampling)
             stats.generate_s += time.perf_counter() - t0
@@ -306,7 +343,7 @@ class AgentLoop:
             stats.final_answers += 1
             after, messages = ep.state, None
             if self._multi_turn:  # the answer ends a user turn; the task may go on (on a fork: kept states stay)
-                after, why = self._fork(ep.state)
+                after, why = self._fork(ep.state, derive_seed(ep.seed, "next_turn", ep.turns))
                 if after is None:  # the task ends here, the answer judged on the state as it is
                     after, info["error"] = ep.state, why
                 else:
@@ -332,7 +369,7 @@ class AgentLoop:
             return None
         job = None
         if parsed.error is None:
-            fork, why = self._fork(ep.state)
+            fork, why = self._fork(ep.state, derive_seed(ep.seed, "tools", ep.turns))
             if fork is None:
                 parsed.error, parsed.tool_calls = f"{why}; the tool calls were not run", []
                 info["error"] = parsed.error

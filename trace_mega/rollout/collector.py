@@ -1,67 +1,117 @@
-"""`RolloutCollector`: a training step's rollouts, across ranks.
+"""`RolloutCollector`: a training step's rollouts, spread over the rollout replicas.
 
-Rank 0 hosts the engine, runs the environment episodes (the agent loop) and
-expands the trees; every rank then receives the same trees, so the step
-record (`trace_mega.step.StepBatch`) and its layout are identical everywhere
-and the model forwards (TP collectives) line up. The collector also pauses
-the engine while the learner trains and reports the step's agent-loop
-counters.
+Every data-parallel replica of the learner rolls out its own share of the
+step's prompts (`trace_mega/rollout/replicas.py`: the layout, the
+assignment, the exchange): its leader rank runs the agent loop on its engine
+for the prompts `assign_prompts` gives it, branches the continuations planned
+from its own trees, and after each phase the trees are all-gathered, so the
+step record (`trace_mega.step.StepBatch`) and its layout are identical on
+every rank and the allocation decisions are global and exact. Episode seeds
+come from (step, prompt index, rollout / branch, turn) (`AgentLoop`), so the
+trees do not depend on the number of replicas. The collector also pauses the
+engine while the learner trains and reports the step's agent-loop counters:
+totals over replicas plus per-replica spread.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, Task
 from trace_mega.envs.react import ReactScaffold
-from trace_mega.learner.parallel import broadcast_trees
 from trace_mega.rollout.agent_loop import AgentLoop, RolloutStats
 from trace_mega.rollout.engines import Engine
+from trace_mega.rollout.replicas import ReplicaLayout, assign_prompts, exchange, stats_delta
 from trace_mega.rollout.tree import RolloutTree
 
 if TYPE_CHECKING:
     from trace_mega.step import StepBatch
 
+log = logging.getLogger("trace_mega")
+
 
 class RolloutCollector:
-    """The agent loop on the rank that hosts `engine` (None elsewhere), trees shared with every rank."""
+    """The agent loop of this rank's replica (on the ranks that have an `engine`), trees shared by all ranks."""
 
     def __init__(self, env: Env, engine: Optional[Engine], tokenizer: Any, cfg: RolloutConfig, *,
-                 tool_timeout_s: float, max_tool_calls_per_turn: int = 8) -> None:
+                 tool_timeout_s: float, max_tool_calls_per_turn: int = 8,
+                 layout: Optional[ReplicaLayout] = None) -> None:
         self.env, self.engine = env, engine
+        self.layout = layout or ReplicaLayout.single()
         self.scaffold = ReactScaffold(tokenizer)
         self.agent = AgentLoop(env, engine, tokenizer, cfg, tool_timeout_s=tool_timeout_s,
                                max_tool_calls_per_turn=max_tool_calls_per_turn) if engine is not None else None
-        self._before = RolloutStats()
+        self.tree_replica: list[int] = []
+        """Replica that owns each of the step's trees (after `roll_out`)."""
+        self._mine: dict[int, RolloutTree] = {}
+        self._replica_stats: list[dict[str, float]] = []
 
     def begin_step(self, seed: int) -> None:
         """Reseed the environment (a resumed run replays the same episodes) and start the step's counters."""
         self.env.reseed(seed)
-        self._before = dataclasses.replace(self.agent.stats) if self.agent else RolloutStats()
+        self._replica_stats = [{} for _ in range(self.layout.num_replicas)]
 
     def prompt_ids(self, tasks: list[Task]) -> list[list[int]]:
         """Token ids of each task's prompt, exactly as the agent loop sends it to the engine."""
         return [self.scaffold.prompt_ids(t) for t in tasks]
 
     def roll_out(self, batch: "StepBatch", seed: int) -> None:
-        """`batch.rollouts[i]` bare rollouts of prompt i; the prompts given none leave the step."""
-        counts = batch.rollouts.tolist()
-        trees = broadcast_trees(self.agent.rollout(batch.tasks, counts, seed=seed) if self.agent else None)
-        batch.grow(trees, keep=[i for i, m in enumerate(counts) if m > 0])
+        """`batch.rollouts[i]` bare rollouts of prompt i, each by the replica `assign_prompts` gives it;
+        the prompts given none leave the step."""
+        counts = [int(c) for c in batch.rollouts.tolist()]
+        owner = assign_prompts(counts, self.layout.num_replicas)
+        ids = [i for i, r in enumerate(owner) if r == self.layout.replica]
+        if not ids and self.layout.leader:
+            log.info("step %d: replica %d (rank %d) has no prompts this step", batch.step, self.layout.replica,
+                     self.layout.rank)
+
+        def run() -> dict[int, RolloutTree]:
+            grown = self.agent.rollout([batch.tasks[i] for i in ids], [counts[i] for i in ids], seed=seed, keys=ids)
+            return dict(zip(ids, grown))
+
+        trees = self._phase(batch.trees, run)
+        keep = [i for i, m in enumerate(counts) if m > 0]
+        batch.grow(trees, keep=keep)
+        self.tree_replica = [owner[i] for i in keep]
+        self._mine = {t: batch.trees[t] for t, r in enumerate(self.tree_replica) if r == self.layout.replica}
 
     def expand(self, batch: "StepBatch", seed: int) -> None:
-        """Branch the planned continuations (`batch.continuations`) from the bare trees' prefixes."""
-        if self.agent:
-            self.agent.expand(batch.trees, batch.branch_points(), seed=seed)
-            AgentLoop.release(batch.trees)  # no more branching this step: drop the kept env states
-        batch.grow(broadcast_trees(batch.trees if self.agent else None))
+        """Branch the planned continuations (`batch.continuations`) from the bare trees' prefixes, each
+        on the replica that holds the tree (and its environment states)."""
+        own = sorted(self._mine)
+        local = {t: j for j, t in enumerate(own)}
+        points = [(local[t], n, k) for t, n, k in batch.branch_points() if t in local]
 
-    def rollout_tasks(self, tasks: list[Task], samples_per_task: int, seed: int) -> list[RolloutTree]:
-        """`samples_per_task` bare rollouts of every task (evaluation), on every rank."""
-        trees = self.agent.rollout(tasks, [samples_per_task] * len(tasks), seed=seed) if self.agent else None
-        return broadcast_trees(trees)
+        def run() -> dict[int, RolloutTree]:
+            trees = [self._mine[t] for t in own]
+            self.agent.expand(trees, points, seed=seed)
+            AgentLoop.release(trees)  # no more branching this step: drop the kept env states
+            return dict(zip(own, trees))
+
+        batch.grow(self._phase(batch.trees, run))
+
+    def _phase(self, trees: list[RolloutTree], run: Callable[[], dict[int, RolloutTree]]) -> list[RolloutTree]:
+        """Run this replica's part of a phase (where there is an agent), then exchange trees, counters
+        and errors with every rank (`replicas.exchange`)."""
+        mine, error = {}, None
+        before = dataclasses.replace(self.agent.stats) if self.agent else RolloutStats()
+        t0 = time.perf_counter()
+        if self.agent is not None:
+            try:
+                mine = run()
+            except Exception as exc:  # noqa: BLE001  (reported to every rank by the exchange, then raised)
+                error = f"{type(exc).__name__}: {exc}"
+        stats = stats_delta(self.agent.stats, before) if self.agent else {}
+        stats["seconds"] = time.perf_counter() - t0
+        out, per_replica = exchange(self.layout, trees, mine, stats, error)
+        for acc, new in zip(self._replica_stats, per_replica):
+            for k, v in new.items():
+                acc[k] = acc.get(k, 0.0) + v
+        return out
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -75,16 +125,28 @@ class RolloutCollector:
                 self.engine.wake_up()
 
     def step_metrics(self) -> dict[str, float]:
-        """This step's agent-loop counters (bare rollouts + continuations); empty off the hosting rank."""
-        if self.agent is None:
+        """This step's agent-loop counters (bare rollouts + continuations), summed over replicas (the
+        same on every rank and for any replica count), and the per-replica spread."""
+        per = self._replica_stats
+        if not per or not any(per):
             return {}
-        now, before = dataclasses.asdict(self.agent.stats), dataclasses.asdict(self._before)
-        d = {k: now[k] - before[k] for k in now}
-        return {"rollout/generated_tokens": d["generated_tokens"], "rollout/prefill_tokens_saved": d["cached_prefix_tokens"],
-                "rollout/prefix_tokens": d["prefix_tokens"], "rollout/tool_calls": d["tool_calls"],
-                "rollout/parse_errors": d["parse_errors"], "rollout/tool_timeouts": d["tool_timeouts"],
-                "rollout/truncated": d["truncated_episodes"], "rollout/generate_s": d["generate_s"],
-                "rollout/tool_s": d["tool_s"]}
+
+        def total(k: str) -> float:
+            return float(sum(s.get(k, 0.0) for s in per))
+
+        traj = [s.get("episodes", 0.0) for s in per]
+        gen = [s.get("generated_tokens", 0.0) for s in per]
+        return {"rollout/generated_tokens": total("generated_tokens"),
+                "rollout/prefill_tokens_saved": total("cached_prefix_tokens"),
+                "rollout/prefix_tokens": total("prefix_tokens"), "rollout/tool_calls": total("tool_calls"),
+                "rollout/parse_errors": total("parse_errors"), "rollout/tool_timeouts": total("tool_timeouts"),
+                "rollout/truncated": total("truncated_episodes"), "rollout/generate_s": total("generate_s"),
+                "rollout/tool_s": total("tool_s"),
+                "rollout/replicas": float(len(per)),
+                "rollout/replicas_generating": float(sum(t > 0 for t in traj)),
+                "rollout/replica_trajectories_min": min(traj), "rollout/replica_trajectories_max": max(traj),
+                "rollout/replica_generated_tokens_min": min(gen), "rollout/replica_generated_tokens_max": max(gen),
+                "rollout/replica_seconds_max": max(s.get("seconds", 0.0) for s in per)}
 
     def close(self) -> None:
         if self.agent is not None:

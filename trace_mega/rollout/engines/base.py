@@ -10,7 +10,7 @@ A training run starts its engine with `build_engine(EngineSetup)`
 (engines/__init__.py): the registered class's `launch` reads its own
 construction arguments from the setup and prepares what it needs to start
 (e.g. an HF directory of the initial weights), on every rank, and builds the
-engine on the rank that hosts it.
+engine on the ranks of each rollout replica that run it (docs/design.md §3.4).
 """
 from __future__ import annotations
 
@@ -34,7 +34,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation ends after emitting one of these (the stop token is included in the output)."""
     seed: Optional[int] = None
-    """Per-request seed; request i uses seed + i, so results do not depend on batching."""
+    """Base seed of the call: request i uses seed + i (when `seeds` is not given)."""
+    seeds: Optional[list[int]] = None
+    """One seed per request (the agent loop derives them from the episode, never from batching or
+    from which replica serves it); overrides `seed`."""
+
+    def request_seed(self, i: int) -> Optional[int]:
+        """The seed of request i of the call (None: unseeded)."""
+        if self.seeds is not None:
+            return int(self.seeds[i])
+        return None if self.seed is None else self.seed + i
 
 
 @dataclass
@@ -71,7 +80,13 @@ class EngineSetup:
     work_dir: Path
     """Where an engine may write what it needs to start."""
     host: bool
-    """Whether this rank runs the engine (the other ranks only join collective preparation)."""
+    """Whether this rank leads its rollout replica (an in-process engine runs there only; the other
+    ranks join collective preparation)."""
+    replica_size: int = 1
+    """Ranks in this rank's rollout replica (its model-parallel group, TP x PP)."""
+    distributed: bool = False
+    """Launched by torchrun with more than one rank (an engine that spans ranks, like vLLM's
+    `external_launcher`, then starts on every rank of the replica)."""
 
 
 class Engine(ABC):

@@ -16,7 +16,7 @@ bare rollout. Requests of one call with identical prefixes (k continuations of
 one node) prefill that prefix once.
 
 Determinism: request i of a call draws its randomness from its own
-`torch.Generator` seeded `seed + i`, one uniform per sampled token, so a
+`torch.Generator` seeded `sampling.request_seed(i)`, one uniform per sampled token, so a
 request's sample does not depend on batching, on the order of requests, or
 on what the cache held (up to float rounding of the logits, which only matters
 when a uniform lands within ~1e-7 of a CDF step).
@@ -234,7 +234,7 @@ class TorchEngine(Engine):
             raise ValueError("generate: every prefix needs at least one token")
         if sampling.max_new_tokens < 1:
             raise ValueError("generate: max_new_tokens must be >= 1")
-        gens = [self._generator(sampling.seed, i) for i in range(len(prefixes))]
+        gens = [self._generator(sampling.request_seed(i)) for i in range(len(prefixes))]
         hit_before = self._warm_shared_prefixes(prefixes) if self.enable_prefix_caching else {}
         rows, counted = [], {}
         for i, p in enumerate(prefixes):
@@ -379,12 +379,10 @@ class TorchEngine(Engine):
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
 
-    def _generator(self, seed: Optional[int], i: int) -> torch.Generator:
+    def _generator(self, seed: Optional[int]) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        if seed is None:  # unseeded requests still get independent streams, drawn from torch's global RNG
-            g.manual_seed(int(torch.randint(0, 2**62, ())))
-        else:
-            g.manual_seed(seed + i)
+        # Unseeded requests still get independent streams, drawn from torch's global RNG.
+        g.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
         return g
 
 

@@ -138,12 +138,18 @@ class VLLMEngine(Engine):
     @classmethod
     def launch(cls, setup: EngineSetup) -> Optional["VLLMEngine"]:
         """vLLM loads its first weights from a directory: the run's HF checkpoint, or (random
-        init) the policy written once by every rank (collective); later updates go through memory."""
+        init) the policy written once by every rank (collective); later updates go through memory.
+        Under torchrun every rank of a replica builds it (`external_launcher`, TP = the replica's
+        size; PP = 1 only, since vLLM groups consecutive ranks as megatron's TP does)."""
         model = setup.checkpoint_dir or setup.write_checkpoint(setup.work_dir / "hf_init")
-        if not setup.host:
-            return None
         rc = setup.rollout
         extra = {} if rc.kv_block_size_tokens is None else {"block_size": rc.kv_block_size_tokens}
+        if setup.distributed:
+            # One replica per model-parallel group: every rank of it runs the engine (vLLM's TP over
+            # the replica's ranks, in the trainer's process group) and submits the same requests.
+            extra |= {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": setup.replica_size}
+        elif not setup.host:
+            return None
         return cls(model, dtype=setup.dtype, enable_prefix_caching=rc.enable_prefix_caching, gpu_memory_utilization=rc.gpu_memory_utilization,
                    max_model_len=rc.max_total_tokens, seed=setup.seed, eos_token_ids=setup.eos_token_ids, **extra)
 
@@ -163,7 +169,7 @@ class VLLMEngine(Engine):
                 stop_token_ids=stop,
                 logprobs=0,
                 detokenize=False,
-                seed=None if sampling.seed is None else sampling.seed + i,
+                seed=sampling.request_seed(i),
             )
             for i in range(len(prefixes))
         ]

@@ -15,6 +15,10 @@ import pytest
 
 from trace_mega.kernels._triton_env import env_without_interpreter
 
+
+def _env() -> dict:
+    return env_without_interpreter() | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
@@ -41,3 +45,34 @@ def test_two_trace_steps_on_vllm(tmp_path):
     # (vLLM's CPU head keeps a packed copy of the embedding that the reload alone leaves stale).
     assert all(r["loss/logprob_mismatch"] < 1e-5 for r in rows), [r["loss/logprob_mismatch"] for r in rows]
     assert (tmp_path / "hf_init" / "config.json").exists()
+
+
+VLLM = ["env.name=synthetic", "env.options={num_tasks: 16}", "steps=2", "rollout.engine=vllm", "model.head_dim=32",
+        "rollout.kv_block_size_tokens=32"]
+
+
+def _vllm_env() -> dict:
+    return _env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_vllm_replicas_under_torchrun_equal_one_process(tmp_path, layout):
+    """Two ranks under torchrun, each with vLLM's `external_launcher` engine in the trainer's own
+    process group: two TP = 1 replicas (dp2), or one replica sharded TP = 2 over both ranks with the
+    learner at TP = 2 (tp2). Either logs what one process with one vLLM engine logs."""
+    import subprocess as sp
+
+    from test_trainer import CONFIG, SMALL, _rows
+    from test_trainer_replicas import _torchrun, assert_same_run
+
+    out = tmp_path / "one"
+    cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, *VLLM,
+           f"telemetry.out_dir={out}"]
+    proc = sp.run(cmd, cwd=ROOT, env=_vllm_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = _rows(out)
+    extra = ["parallel.tensor_model_parallel_size=2"] if layout == "tp2" else []
+    two = _torchrun(tmp_path / "two", *VLLM, *extra, env=_vllm_env())
+    assert sum(r["reward/mean"] for r in one) > 0 and any(r["loss/total"] != 0 for r in one)
+    assert all(r["loss/logprob_mismatch"] < 1e-5 for r in two)
+    assert_same_run(one, two, replicas=2 if layout == "dp2" else 1)

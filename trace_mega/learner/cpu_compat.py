@@ -145,6 +145,12 @@ _MODE: _CudaToCpuMode | None = None
 def _patch_device_mode() -> None:
     global _MODE
     _MODE = _CudaToCpuMode()
+    # Megatron's distributed optimizer zeroes the grads of its parameter-shard views (non-leaf
+    # tensors; `_zero_grad_group_helper` reads `.grad`), which makes torch warn on every step under
+    # DP > 1. With this mode on the stack the warning points at this file, so the console would take
+    # it for the project's own; on GPU it points at Megatron and stays in the log file.
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf",
+                            category=UserWarning, module=__name__)
     # Entered for the life of the process: megatron creates CUDA tensors at
     # import-independent times (buffers, masks, optimizer state, schedules).
     _MODE.__enter__()

@@ -35,7 +35,7 @@ from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.credit_metrics import env_credit_accuracy
 from trace_mega.learner.learner import Learner, hf_config
 from trace_mega.learner.probe import check_task_answers
-from trace_mega.predictor import build_predictor, plot_reliability
+from trace_mega.predictor import SkillGuard, build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
 from trace_mega.rollout.engines import EngineSetup, build_engine
 from trace_mega.sampler import PromptSampler, SamplerState
@@ -74,6 +74,8 @@ class Trainer:
         self.fallback = self.allocator.without_predictor()
         self.predictor = build_predictor(cfg.predictor, hidden_size=self.learner.hidden_size,
                                          vocab_size=self.learner.model_cfg.vocab_size).to(self.learner.groups.device)
+        self.guard = SkillGuard(cfg.allocation.fallback_skill_decay, cfg.allocation.fallback_skill_threshold,
+                                enabled=cfg.allocation.predictor_fallback and self.allocator.uses_predictor)
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
         self.sink = MetricsSink.from_config(cfg.telemetry, to_dict(cfg), enabled=self.is_main)
         if self.is_main:  # the resolved config of the run (`trace-mega export --run OUT_DIR` reads it)
@@ -122,9 +124,8 @@ class Trainer:
                         "alloc/budget_unspent": float(allocator.trajectories_per_step - spent),
                         "alloc/root_continuations": float(batch.root_continuations.sum()),
                         "data/prompt_hash": _hash(tasks)} | allocator.metrics()
-            # NaN (no previous fit to compare with) never triggers the fallback.
-            self.use_fallback = (cfg.allocation.predictor_fallback and self.allocator.uses_predictor
-                                 and metrics.get("predictor/skill", 0.0) < 0.0)
+            metrics |= self.guard.update(metrics)  # the smoothed held-out skill decides the next step
+            self.use_fallback = self.guard.fallback
             self.step = step + 1
             metrics |= self._validate()
             self.sink.log(step, metrics, tag=f"[{allocator.name}] ")
@@ -167,7 +168,7 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {"trainer_step": self.step, "sampler": dataclasses.asdict(self.sampler.state),
-                "use_fallback": self.use_fallback, "config": to_dict(self.cfg)}
+                "use_fallback": self.use_fallback, "guard": self.guard.state_dict(), "config": to_dict(self.cfg)}
 
     def _maybe_checkpoint(self) -> None:
         ck = self.cfg.checkpoint
@@ -189,6 +190,7 @@ class Trainer:
         self.step = int(state["trainer_step"])
         self.sampler = PromptSampler(len(self.tasks), self.cfg.seed, SamplerState(**state["sampler"]))
         self.use_fallback = bool(state["use_fallback"])
+        self.guard.load_state_dict(state["guard"])
         pred = Path(ck.dir) / f"predictor_{self.step:08d}.pt"
         self.predictor.load_state_dict(torch.load(pred, map_location=self.learner.groups.device))
         self.learner.sync_weights(self.rollouts.engine)

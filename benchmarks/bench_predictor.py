@@ -19,7 +19,11 @@ Columns:
 beat; `constant` is trace with an anchored head that never trains (its skill is 0 by
 construction), i.e. what trace's solvers do with no information beyond the mean.
 
-    python benchmarks/bench_predictor.py [--steps 30] [--seeds 3] [--variants a,b] [--json PATH]
+`--failures` instead runs treepo and trace with the guard ON, its predictions replaced by
+noise, inverted (1 - v) or a constant 0.5 (the predictor's open question: how much does a
+broken predictor cost once the guard is on?); `fallback` is the share of steps on treepo.
+
+    python benchmarks/bench_predictor.py [--steps 30] [--seeds 3] [--variants a,b] [--failures] [--json PATH]
     trace-mega bench predictor [same options]
 """
 from __future__ import annotations
@@ -42,13 +46,35 @@ VARIANTS: dict[str, list[str]] = {
     "zero-init head (old)": OLD,
     "+ anchor at mean": [*OLD, *ANCHOR],
     "+ replay 4 (decay 0.7)": [*OLD, *ANCHOR, *REPLAY],
-    "+ weight decay 0.1, lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.weight_decay=0.1", "predictor.lr=1e-2"],
-    "small_model + anchor + replay": [*OLD, *ANCHOR, *REPLAY, "predictor.backend=small_model", "predictor.lr=3e-3",
-                                      "predictor.updates_per_step=4"],
+    "+ weight decay 0.1 + lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.weight_decay=0.1", "predictor.lr=1e-2"],
+    "+ replay 8 (decay 0.8)": [*OLD, *ANCHOR, "predictor.replay_steps=8", "predictor.replay_decay=0.8"],
+    "+ replay 4, 16 updates at lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.lr=1e-2", "predictor.updates_per_step=16"],
+    "small_model + anchor + replay 4": [*OLD, *ANCHOR, *REPLAY, "predictor.backend=small_model", "predictor.lr=3e-3",
+                                        "predictor.updates_per_step=4"],
 }
 
 
-def _train(overrides: list[str], seed: int, steps: int, out_dir: Path) -> list[dict]:
+# --failures: trace with the guard ON and its predictions (for planning AND for the guard's held-out
+# measurement) replaced; the predictor itself still trains on the real targets.
+FAILURES = ("real", "noise", "inverted", "constant")
+
+
+def _corrupt(trainer, mode: str, seed: int) -> None:
+    import torch
+
+    real, gen = trainer.predictor.predict, torch.Generator().manual_seed(seed)
+
+    def predict(packed, nodes, hidden=None):
+        v = real(packed, nodes, hidden)
+        if mode == "noise":
+            return torch.rand(v.shape, generator=gen).to(v)
+        return 1.0 - v if mode == "inverted" else torch.full_like(v, 0.5)
+
+    if mode != "real":
+        trainer.predictor.predict = predict
+
+
+def _train(overrides: list[str], seed: int, steps: int, out_dir: Path, failure: str = "real") -> list[dict]:
     from trace_mega.config import TrainConfig, load_yaml
     from trace_mega.telemetry import read_metrics
     from trace_mega.trainer import Trainer
@@ -58,6 +84,7 @@ def _train(overrides: list[str], seed: int, steps: int, out_dir: Path) -> list[d
                      f"seed={seed}", f"telemetry.out_dir={out_dir}", "telemetry.tensorboard=false",
                      "telemetry.progress_bars=false", *overrides])
     trainer = Trainer(cfg)
+    _corrupt(trainer, failure, seed)
     try:
         trainer.train()
     finally:
@@ -78,6 +105,7 @@ def summarise(rows: list[dict]) -> dict[str, float]:
         "effective_ratio": mean("alloc/effective_ratio"),
         "reward": mean("reward/mean"),
         "predictor_share": mean("time/predictor_s") / mean("time/step_s"),
+        "fallback": mean("alloc/fallback"),
     }
 
 
@@ -86,26 +114,36 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=30, help="trainer steps per run")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per variant (0..seeds-1)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--failures", action="store_true",
+                    help="instead: treepo vs trace with the guard on and its predictions replaced by "
+                         + " / ".join(FAILURES[1:]))
     args = ap.parse_args(argv)
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; valid: {list(VARIANTS)}")
+    if args.failures:
+        runs = {"treepo": (VARIANTS["treepo"], "real"),
+                **{f"trace, {f} predictions": (["allocation.predictor_fallback=true"], f) for f in FAILURES}}
+    else:
+        names = [n.strip() for n in args.variants.split(",") if n.strip()]
+        unknown = [n for n in names if n not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; valid: {list(VARIANTS)}")
+        runs = {n: (VARIANTS[n], "real") for n in names}
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            per_seed = [summarise(_train(VARIANTS[name], s, args.steps, Path(tmp) / f"{len(results)}_{s}"))
+        for name, (overrides, failure) in runs.items():
+            per_seed = [summarise(_train(overrides, s, args.steps, Path(tmp) / f"{len(results)}_{s}", failure))
                         for s in range(args.seeds)]
             results[name] = {k: statistics.fmean(p[k] for p in per_seed) for k in per_seed[0]} | {
-                "per_seed": per_seed, "overrides": VARIANTS[name]}
+                "per_seed": per_seed, "overrides": overrides, "predictions": failure}
             print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name].items() if isinstance(v, float)),
                   flush=True)
     rows = [{"variant": n, **{k: v for k, v in r.items() if isinstance(v, float)}} for n, r in results.items()]
     for r in rows:
         r["pred_pct"] = 100.0 * r["predictor_share"]
     print_table(rows, [("variant", "variant", "<"), ("skill", "skill", "+.3f"), ("steps_better", "steps>0", ".2f"),
-                       ("effective_ratio", "eff", ".3f"), ("reward", "reward", ".3f"), ("pred_pct", "pred%", ".1f")],
-                title=f"demo_cpu, trace with the guard off, {args.steps} steps x {args.seeds} seeds (means over seeds)")
+                       ("effective_ratio", "eff", ".3f"), ("reward", "reward", ".3f"), ("fallback", "fallback", ".2f"),
+                       ("pred_pct", "pred%", ".1f")],
+                title=f"demo_cpu, trace with the guard {'on' if args.failures else 'off'}, {args.steps} steps x "
+                      f"{args.seeds} seeds (means over seeds)")
     result = {"command": command_line(__file__, argv), "steps": args.steps, "seeds": args.seeds, "variants": results}
     write_json(result, args.json)
     return result

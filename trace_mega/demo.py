@@ -48,6 +48,18 @@ def pooled_skill(rows: list[dict[str, float]]) -> float:
     return 1.0 - b / c if c > 0 else float("nan")
 
 
+def collapsed(rows: list[dict[str, float]], learned_reward: float = 0.1, entropy_floor: float = 0.1) -> bool:
+    """Whether a run collapsed: after a step with reward >= `learned_reward`, a step with reward 0
+    and token entropy below `entropy_floor` (a near-deterministic policy that no longer succeeds;
+    its steps have no contrast, so no gradient brings it back)."""
+    learned = False
+    for r in rows:
+        learned = learned or r.get("reward/mean", 0.0) >= learned_reward
+        if learned and r.get("reward/mean", 1.0) == 0.0 and r.get("loss/token_entropy", 1.0) < entropy_floor:
+            return True
+    return False
+
+
 def summarise(rows: list[dict[str, float]], wall_s: float) -> dict[str, float]:
     """The `REPORT_KEYS` of one run's metrics rows."""
     return {
@@ -75,6 +87,7 @@ def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path
     base = load_yaml(TrainConfig, config_path or resolve_config("demo_cpu"), overrides)
     per_seed: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     first_runs: dict[str, list[dict[str, float]]] = {}
+    collapses: list[str] = []
     for k in range(seeds):
         for method in METHODS:
             run_dir = out / method / f"seed{base.seed + k}"
@@ -92,6 +105,8 @@ def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path
                 trainer.close()
             rows = read_metrics(run_dir / "metrics.jsonl")
             per_seed[method].append(summarise(rows, time.perf_counter() - t0))
+            if collapsed(rows):
+                collapses.append(f"{method} seed {cfg.seed}")
             if k == 0:
                 first_runs[method] = rows
 
@@ -101,7 +116,7 @@ def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path
                       f"x (1 + {base.allocation.continuations_per_rollout}) trajectories")
     table = {m: {key: statistics.fmean(s[key] for s in runs) for key in REPORT_KEYS} for m, runs in per_seed.items()}
     (out / "report.json").write_text(json.dumps(table, indent=1))
-    _write_report(out, base, table, per_seed)
+    _write_report(out, base, table, per_seed, collapses)
     return table
 
 
@@ -110,7 +125,7 @@ def _row(name: str, row: dict[str, float]) -> str:
 
 
 def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict[str, float]],
-                  per_seed: dict[str, list[dict[str, float]]]) -> None:
+                  per_seed: dict[str, list[dict[str, float]]], collapses: list[str]) -> None:
     seeds = len(next(iter(per_seed.values())))
     header = ["| method | " + " | ".join(REPORT_KEYS) + " |", "|---|" + "---|" * len(REPORT_KEYS)]
     lines = [
@@ -128,6 +143,8 @@ def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict[str, float]
     tr, tp, un = (table[m]["effective_ratio_mean"] for m in ("trace", "treepo", "uniform"))
     lines += ["", f"Effective ratio: trace / treepo = {tr / tp:.2f}x, trace / uniform = {tr / un:.2f}x."
               if tp > 0 and un > 0 else "", ""]
+    lines += [f"Collapsed runs (reward 0 at token entropy < 0.1 after reaching reward 0.1): "
+              f"{', '.join(collapses) if collapses else 'none'}.", ""]
     if seeds > 1:
         lines += ["Per seed:", "", *header]
         lines += [_row(f"{m} seed {cfg.seed + k}", s) for m, runs in per_seed.items() for k, s in enumerate(runs)]
@@ -138,5 +155,5 @@ def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict[str, float]
         lines += ["Predictor reliability (trace run, last step):", "",
                   f"![reliability](trace/seed{cfg.seed}/reliability.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
-    print("\n".join(lines[4:4 + 2 + len(table) + 2]))
+    print("\n".join(lines[4:4 + 2 + len(table) + 4]))
     print(f"report: {out / 'report.md'}")

@@ -48,7 +48,7 @@ VARIANTS: dict[str, list[str]] = {
     "+ replay 4 (decay 0.7)": [*OLD, *ANCHOR, *REPLAY],
     "+ weight decay 0.1 + lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.weight_decay=0.1", "predictor.lr=1e-2"],
     "+ replay 8 (decay 0.8)": [*OLD, *ANCHOR, "predictor.replay_steps=8", "predictor.replay_decay=0.8"],
-    "+ replay 4, 16 updates at lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.lr=1e-2", "predictor.updates_per_step=16"],
+    "+ replay 4 + 16 updates at lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.lr=1e-2", "predictor.updates_per_step=16"],
     "small_model + anchor + replay 4": [*OLD, *ANCHOR, *REPLAY, "predictor.backend=small_model", "predictor.lr=3e-3",
                                         "predictor.updates_per_step=4"],
 }

@@ -58,6 +58,10 @@ class AllocationConfig:
     newest step alone)."""
     fallback_skill_threshold: float = 0.0
     """Smoothed Brier skill below which the guard falls back (0: worse than the constant)."""
+    exploration_fraction: float = 0.0
+    """trace / trace_global: share of the root budget given, 2 rollouts each, to prompts drawn at
+    random before the root solver spends the rest (an exploration floor: V(1-V) alone starves
+    prompts that succeed about once in 8; docs/allocation.md "Rare successes")."""
 
     def validate(self) -> None:
         require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
@@ -67,6 +71,7 @@ class AllocationConfig:
         require(self.group_size >= 2, "group_size", "must be >= 2 (a lone rollout has no contrast)")
         require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
         require(0.0 <= self.fallback_skill_decay < 1.0, "fallback_skill_decay", "must be in [0, 1)")
+        require(0.0 <= self.exploration_fraction <= 1.0, "exploration_fraction", "must be in [0, 1]")
         _require_registered("name", "trace_mega.allocation", "ALLOCATORS", self.name)
 
 

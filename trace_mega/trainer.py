@@ -115,7 +115,8 @@ class Trainer:
                 with timer("train"), self.rollouts.paused():
                     metrics |= self.learner.train_step(batch)                                        # learn
                 with timer("predictor"):
-                    metrics |= self._fit_predictor(batch)                                            # fit predictor
+                    fit = self.predictor.fit_step(batch)                                             # fit predictor
+                metrics |= self._plot_predictor(fit)  # telemetry, outside the predictor's time
                 with timer("weight_sync"):
                     self.learner.sync_weights(self.rollouts.engine)                                  # sync
             metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
@@ -152,8 +153,8 @@ class Trainer:
         batch.advantages = compute_advantages(batch.packed, batch.trees, cfg.advantage, cfg.credit, batch.node_ell)
         return env_credit_accuracy(self.env, batch.packed, batch.trees, batch.node_ell, cfg.credit)
 
-    def _fit_predictor(self, batch: StepBatch) -> dict[str, Any]:
-        out = self.predictor.fit_step(batch)
+    def _plot_predictor(self, out: dict[str, Any]) -> dict[str, Any]:
+        """`out` (a fit's metrics) without its calibration, whose reliability curve is saved every 10 steps."""
         cal = out.pop("_calibration", None)
         last = self.step == self.cfg.steps - 1
         if cal is not None and self.is_main and cal.num_samples and (self.step % 10 == 0 or last):

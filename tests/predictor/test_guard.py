@@ -23,11 +23,11 @@ def test_one_noisy_step_does_not_flip_a_smoothed_guard_but_does_flip_an_unsmooth
     assert smooth.skill == pytest.approx(1 - (0.8 * 0.10 + 0.2 * 0.010) / (0.8 * 0.20 + 0.2 * 0.002))
 
 
-def test_persistently_worse_predictor_falls_back_and_recovers():
+def test_unmeasured_or_persistently_worse_predictor_falls_back_and_recovers():
     g = SkillGuard(decay=0.5)
-    assert not g.fallback and math.isnan(g.skill)  # no measurement yet
+    assert g.fallback and math.isnan(g.skill)  # not measured yet: not trusted yet
     g.update({"predictor/brier": 0.3, "predictor/brier_constant": 0.1, "predictor/skill": float("nan")})
-    assert math.isnan(g.skill)  # the first fit has no held-out constant: skipped
+    assert math.isnan(g.skill) and g.fallback  # the first fit has no held-out constant: skipped
     g.update(_fit(0.3, 0.2))
     assert g.fallback  # the first measurement initialises the window
     steps = 0

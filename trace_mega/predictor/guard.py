@@ -10,11 +10,12 @@ for an error of 0.01. So the guard smooths the two Brier scores, not the ratio:
     smoothed skill = 1 - B_s / C_s
 
 — a pooled skill over an exponential window of ≈ 1 / (1 - d) steps, in which a step
-weighs by how much there was to predict. The first measurement initialises both sums,
-so a predictor that is worse than the constant from the start falls back after one
-step. The next step uses the predictor-free allocator while the smoothed skill is
-below `threshold`; the predictor keeps fitting (and being measured) either way, so it
-comes back when it recovers.
+weighs by how much there was to predict. The first measurement initialises both sums.
+The next step uses the predictor-free allocator while the smoothed skill is below
+`threshold` — and before the first measurement (the first two steps: the first fit has
+no held-out constant), so a predictor is read only once it has been measured to be
+no worse than the constant. The predictor keeps fitting (and being measured) either
+way, so it takes over when its skill reaches the threshold.
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ class SkillGuard:
 
     @property
     def fallback(self) -> bool:
-        """Whether the next step should use the predictor-free allocator (never before a measurement)."""
-        return self.enabled and self.skill < self.threshold  # NaN < x is False
+        """Whether the next step should use the predictor-free allocator: until the predictor has been
+        measured at or above the threshold on held-out trees (so also before any measurement)."""
+        return self.enabled and not self.skill >= self.threshold  # NaN >= x is False
 
     def update(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Fold in one fit's `predictor/brier` and `predictor/brier_constant` (a fit with no

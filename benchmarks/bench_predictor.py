@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = parser(__doc__, RESULTS / "bench_predictor.json")
     ap.add_argument("--steps", type=int, default=30, help="trainer steps per run")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per variant (0..seeds-1)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),  # argparse %-formats help strings
+                    help=("comma-separated subset of: " + ", ".join(VARIANTS)).replace("%", "%%"))
     ap.add_argument("--failures", action="store_true",
                     help="instead: treepo vs trace with the guard on and its predictions replaced by "
                          + " / ".join(FAILURES[1:]))

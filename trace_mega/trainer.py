@@ -82,7 +82,7 @@ class Trainer:
             save_yaml(cfg, Path(cfg.telemetry.out_dir) / "config.yaml")
         self.gpu = GpuProbe()
         self.step = 0
-        self.use_fallback = False
+        self.use_fallback = self.guard.fallback  # an unmeasured predictor does not plan step 0
         self.learner.sync_weights(self.rollouts.engine)  # the engine starts from the learner's initial weights
         self._resume()
 

@@ -48,7 +48,8 @@ VARIANTS: dict[str, list[str]] = {
     "+ replay 4 (decay 0.7)": [*OLD, *ANCHOR, *REPLAY],
     "+ weight decay 0.1 + lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.weight_decay=0.1", "predictor.lr=1e-2"],
     "+ replay 8 (decay 0.8)": [*OLD, *ANCHOR, "predictor.replay_steps=8", "predictor.replay_decay=0.8"],
-    "+ replay 4 + 16 updates at lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.lr=1e-2", "predictor.updates_per_step=16"],
+    "+ replay 4 + 16 updates at lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.lr=1e-2",
+                                           "predictor.updates_per_step=16"],
     # The seed papers' question: the share of prefix samples in the predictor's loss (paper ≈ 6%).
     "prefix share 6%": [*OLD, *ANCHOR, *REPLAY, "predictor.prefix_sample_fraction=0.06"],
     "prefix share 25%": [*OLD, *ANCHOR, *REPLAY, "predictor.prefix_sample_fraction=0.25"],

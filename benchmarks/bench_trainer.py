@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> dict:
                 "prefix_tokens": mean("rollout/prefix_tokens"),
                 "trajectories": mean("alloc/trajectories"),
                 "effective_ratio": mean("alloc/effective_ratio"),
+                "predictor_pct": 100.0 * mean("time/predictor_s") / step_s,
             }
     base = results["uniform"]["step_s"]
     cols = ["step_s", "rollout_s", "expand_s", "predictor_s", "credit_s", "train_s", "generated_tok_per_s",
-            "prefill_tokens_saved", "trajectories", "effective_ratio"]
+            "prefill_tokens_saved", "trajectories", "effective_ratio", "predictor_pct"]
     print_table([{"variant": name, **r, "vs_uniform": r["step_s"] / base} for name, r in results.items()],
                 [("variant", "variant", "<"), *((c, c, ".3f") for c in cols), ("vs_uniform", "step vs uniform", ".2f")])
     out = {"steps": args.steps, "variants": results}

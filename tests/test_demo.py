@@ -23,13 +23,20 @@ def _run(args, timeout=400):
 
 
 @pytest.mark.slow
-def test_demo_writes_a_report_comparing_uniform_and_trace(tmp_path):
-    proc = _run(["demo", "--out", str(tmp_path), *SHORT])
+def test_demo_writes_the_three_arm_report_over_seeds(tmp_path):
+    from trace_mega.demo import REPORT_KEYS
+
+    proc = _run(["demo", "--out", str(tmp_path), "--seeds", "2", *SHORT])
     report = (tmp_path / "report.md").read_text()
-    assert "| uniform |" in report and "| trace |" in report and "effective_ratio_mean" in report
+    for method in ("uniform", "treepo", "trace"):
+        assert f"| {method} |" in report and f"| {method} seed 1 |" in report
+        for seed in (0, 1):
+            assert len((tmp_path / method / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()) == 2
+    table = json.loads((tmp_path / "report.json").read_text())
+    assert list(table) == ["uniform", "treepo", "trace"]
+    assert all(list(row) == list(REPORT_KEYS) for row in table.values())
+    assert table["uniform"]["predictor_fallback_frac"] == 0.0 and table["trace"]["trajectories_per_step"] == 24
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    for method in ("uniform", "trace"):
-        assert len((tmp_path / method / "metrics.jsonl").read_text().splitlines()) == 2
     assert "report:" in proc.stdout
 
 
@@ -42,3 +49,18 @@ def test_eval_reports_pass_at_k(tmp_path):
     row = report["rows"]["all"]
     assert report["n"] == 4 and report["ks"] == [1, 4] and len(report["tasks"]) == 6
     assert 0.0 <= row["pass@1"] <= row["pass@4"] <= 1.0 and row["pass@1"] == pytest.approx(row["mean@4"])
+
+
+def test_collapse_detection_and_pooled_skill():
+    from trace_mega.demo import collapsed, pooled_skill
+
+    learn = [{"reward/mean": 0.3, "loss/token_entropy": 1.0}]
+    assert collapsed(learn + [{"reward/mean": 0.0, "loss/token_entropy": 0.05}])
+    assert not collapsed(learn + [{"reward/mean": 0.0, "loss/token_entropy": 0.5}])  # still exploring
+    assert not collapsed([{"reward/mean": 0.0, "loss/token_entropy": 0.05}])  # never learned: not a collapse
+    rows = [{"predictor/skill": float("nan"), "predictor/brier": 9.0, "predictor/brier_constant": 1.0,
+             "predictor/samples": 10},  # the first fit has no held-out constant: left out
+            {"predictor/skill": 0.5, "predictor/brier": 0.1, "predictor/brier_constant": 0.2, "predictor/samples": 10},
+            {"predictor/skill": -4.0, "predictor/brier": 0.01, "predictor/brier_constant": 0.002,
+             "predictor/samples": 10}]
+    assert pooled_skill(rows) == pytest.approx(1 - 0.11 / 0.202)

@@ -1,7 +1,7 @@
 """`trace-mega demo | demo credit | pretrain | train | eval | export | plan | bench`.
 
 * `demo`  — the embedded default: a tiny GPT policy on a learnable synthetic
-  environment, on CPU, `uniform` GRPO vs `trace` at equal rollout budget, with
+  environment, on CPU, `uniform` GRPO vs `treepo` vs `trace` at equal rollout budget, with
   a Markdown + PNG report.
 * `demo credit` — TRACE-C on `synthetic_search` from the cached warm start:
   grpo, grpo+credit, tree, tree+credit at equal budget, 3 seeds, a report.
@@ -87,8 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="also print library logs (Megatron, transformers, vLLM) and their warnings")
     parser = argparse.ArgumentParser(prog="trace-mega", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("demo", parents=[common], help="tiny CPU run: uniform GRPO vs TRACE at equal budget, with a report")
+    p = sub.add_parser("demo", parents=[common],
+                       help="tiny CPU run: uniform GRPO vs TreePO vs TRACE at equal budget, with a report")
     p.add_argument("--out", default="runs/demo", help="output directory of the report")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per method, run one after the other (default 1)")
     p.add_argument("--config", default="demo_cpu", help="base config, a shipped name or a YAML path (default: demo_cpu)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
     p = sub.add_parser("train", parents=[common], help="train from a config")
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             from trace_mega.demo import run_demo
 
             log_to_file(args.out, "demo")
-            run_demo(out_dir=args.out, config_path=config, overrides=args.overrides)
+            run_demo(out_dir=args.out, config_path=config, overrides=args.overrides, seeds=args.seeds)
             return 0
         cfg = load_yaml(TrainConfig, config, _eval_overrides(args) if args.cmd == "eval" else args.overrides)
         if args.cmd == "plan":

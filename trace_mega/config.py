@@ -50,8 +50,18 @@ class AllocationConfig:
     continuations_per_prefix_max: Optional[int] = None
     """Cap on continuations branched from one prefix (None: no cap)."""
     predictor_fallback: bool = True
-    """When the predictor is worse than a constant on the newest trees, the next step uses the
-    allocator's predictor-free counterpart (trace, trace_global -> treepo; pcl -> uniform)."""
+    """When the predictor's smoothed held-out skill is below `fallback_skill_threshold`, the next
+    step uses the allocator's predictor-free counterpart (trace, trace_global -> treepo; pcl ->
+    uniform); the predictor keeps fitting meanwhile (`trace_mega.predictor.guard`)."""
+    fallback_skill_decay: float = 0.8
+    """EMA decay of the Brier scores the guard pools (window ≈ 1 / (1 - decay) steps; 0: the
+    newest step alone)."""
+    fallback_skill_threshold: float = 0.0
+    """Smoothed Brier skill below which the guard falls back (0: worse than the constant)."""
+    exploration_fraction: float = 0.0
+    """trace / trace_global: share of the root budget given, 2 rollouts each, to prompts drawn at
+    random before the root solver spends the rest (an exploration floor: V(1-V) alone starves
+    prompts that succeed about once in 8; docs/allocation.md "Rare successes")."""
 
     def validate(self) -> None:
         require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
@@ -60,6 +70,8 @@ class AllocationConfig:
         require(self.rollouts_per_prompt_max >= 2, "rollouts_per_prompt_max", "must be >= 2")
         require(self.group_size >= 2, "group_size", "must be >= 2 (a lone rollout has no contrast)")
         require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
+        require(0.0 <= self.fallback_skill_decay < 1.0, "fallback_skill_decay", "must be in [0, 1)")
+        require(0.0 <= self.exploration_fraction <= 1.0, "exploration_fraction", "must be in [0, 1]")
         _require_registered("name", "trace_mega.allocation", "ALLOCATORS", self.name)
 
 
@@ -76,6 +88,16 @@ class PredictorConfig:
     The window is not checkpointed: a resumed run starts it empty."""
     prefix_sample_fraction: Optional[float] = None
     """Fraction of training samples that are prefixes (rest roots); None keeps the natural mix. Logged either way."""
+    replay_decay: float = 1.0
+    """Staleness weighting of the replay window: a batch k steps old weighs replay_decay**k
+    relative to the newest (1.0: all equal)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the predictor's parameters: shrinks a value head towards the
+    anchored constant (`anchor_at_mean`) when its features carry no signal."""
+    anchor_at_mean: bool = False
+    """Offset every logit by logit(previous fit's mean target), so an untrained (zero) head
+    predicts exactly the constant the fallback guard compares with and the head learns only
+    the deviation from it (docs/design.md §3.1)."""
     calibration_bins: int = 10
     """Bins of the ECE / reliability curve."""
 
@@ -83,6 +105,8 @@ class PredictorConfig:
         require(self.lr > 0, "lr", "must be > 0")
         require(self.calibration_bins >= 2, "calibration_bins", "must be >= 2")
         require(self.replay_steps >= 1, "replay_steps", "must be >= 1")
+        require(0.0 < self.replay_decay <= 1.0, "replay_decay", "must be in (0, 1]")
+        require(self.weight_decay >= 0.0, "weight_decay", "must be >= 0")
         f = self.prefix_sample_fraction
         require(f is None or 0.0 <= f <= 1.0, "prefix_sample_fraction", "must be in [0, 1]")
 

@@ -1,15 +1,26 @@
-"""`trace-mega demo`: the embedded default run, on CPU, in minutes.
+"""`trace-mega demo`: the embedded default run, on CPU, in minutes — the paper's three-arm ablation.
 
 Trains the tiny GPT policy of the shipped `demo_cpu` config on the learnable
-`synthetic_tools` environment twice from the same initialisation and seed —
-`uniform` (GRPO: random prompts, flat groups) and `trace` (predictor-guided
-root and prefix allocation) at equal rollout budget — and writes a report:
-`report.md`, `curves.png` (reward and effective ratio per step), the
-predictor's reliability curve, and each run's `metrics.jsonl`.
+`synthetic_tools` environment once per method and seed, every method from the same
+initialisation and seed at equal rollout budget:
+
+* `uniform` — GRPO: random prompts, flat groups;
+* `treepo` — tree rollouts with branch points chosen at random;
+* `trace` — predictor-guided root and prefix allocation (with the fallback guard).
+
+The report (`report.md`, `report.json`, `curves.png` of the first seed, the
+predictor's reliability curve, each run's `metrics.jsonl` under
+`<out>/<method>/seed<k>/`) gives per method the mean over seeds of the keys in
+`REPORT_KEYS`. `predictor_skill_mean` is the pooled held-out Brier skill of the
+step's predictor (1 - Σ brier / Σ brier_constant over the steps, each measured on
+trees before the predictor fits them); every arm fits the predictor, only trace
+reads it.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -19,79 +30,130 @@ from trace_mega.config import TrainConfig, load_yaml
 from trace_mega.resources import resolve_config
 from trace_mega.telemetry import plot_curves, read_metrics
 
-METHODS = ("uniform", "trace")
+METHODS = ("uniform", "treepo", "trace")
+REPORT_KEYS = ("effective_ratio_mean", "contrasted_groups_mean", "predictor_fallback_frac", "predictor_skill_mean",
+               "reward_first10", "reward_last10", "trajectories_per_step", "generated_tokens_per_step", "wall_s")
 
 
-def _summary(rows: list[dict[str, float]], key: str, last: Optional[int] = None) -> float:
+def _mean(rows: list[dict[str, float]], key: str) -> float:
     vals = [r[key] for r in rows if key in r]
-    if last:
-        vals = vals[-last:]
     return statistics.fmean(vals) if vals else float("nan")
 
 
+def pooled_skill(rows: list[dict[str, float]]) -> float:
+    """1 - Σ brier·n / Σ brier_constant·n over the steps with a held-out constant (skill not NaN)."""
+    scored = [r for r in rows if r.get("predictor/skill", math.nan) == r.get("predictor/skill", math.nan)]
+    b = sum(r["predictor/brier"] * r["predictor/samples"] for r in scored)
+    c = sum(r["predictor/brier_constant"] * r["predictor/samples"] for r in scored)
+    return 1.0 - b / c if c > 0 else float("nan")
+
+
+def collapsed(rows: list[dict[str, float]], learned_reward: float = 0.1, entropy_floor: float = 0.1) -> bool:
+    """Whether a run collapsed: after a step with reward >= `learned_reward`, a step with reward 0
+    and token entropy below `entropy_floor` (a near-deterministic policy that no longer succeeds;
+    its steps have no contrast, so no gradient brings it back)."""
+    learned = False
+    for r in rows:
+        learned = learned or r.get("reward/mean", 0.0) >= learned_reward
+        if learned and r.get("reward/mean", 1.0) == 0.0 and r.get("loss/token_entropy", 1.0) < entropy_floor:
+            return True
+    return False
+
+
+def summarise(rows: list[dict[str, float]], wall_s: float) -> dict[str, float]:
+    """The `REPORT_KEYS` of one run's metrics rows."""
+    return {
+        "effective_ratio_mean": _mean(rows, "alloc/effective_ratio"),
+        "contrasted_groups_mean": _mean(rows, "alloc/contrasted_groups"),
+        "predictor_fallback_frac": _mean(rows, "alloc/fallback"),
+        "predictor_skill_mean": pooled_skill(rows),
+        "reward_first10": _mean(rows[:10], "reward/mean"),
+        "reward_last10": _mean(rows[-10:], "reward/mean"),
+        "trajectories_per_step": _mean(rows, "alloc/trajectories"),
+        "generated_tokens_per_step": _mean(rows, "rollout/generated_tokens"),
+        "wall_s": wall_s,
+    }
+
+
 def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path] = None,
-             overrides: Optional[list[str]] = None) -> dict[str, dict[str, float]]:
-    """Run every method of `METHODS` and write the report; returns the summary table."""
+             overrides: Optional[list[str]] = None, seeds: int = 1) -> dict[str, dict[str, float]]:
+    """Run every method of `METHODS` on seeds base.seed .. base.seed + seeds - 1 (one run at a time)
+    and write the report; returns {method: {REPORT_KEYS: mean over seeds}}."""
     from trace_mega.trainer import Trainer
 
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
     out = Path(out_dir)
     base = load_yaml(TrainConfig, config_path or resolve_config("demo_cpu"), overrides)
-    runs: dict[str, list[dict[str, float]]] = {}
-    seconds: dict[str, float] = {}
-    for method in METHODS:
-        cfg = dataclasses.replace(
-            base,
-            allocation=dataclasses.replace(base.allocation, name=method),
-            telemetry=dataclasses.replace(base.telemetry, out_dir=str(out / method)),
-            checkpoint=dataclasses.replace(base.checkpoint, dir=None),
-        )
-        t0 = time.perf_counter()
-        trainer = Trainer(cfg)
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-        seconds[method] = time.perf_counter() - t0
-        runs[method] = read_metrics(out / method / "metrics.jsonl")
+    per_seed: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    first_runs: dict[str, list[dict[str, float]]] = {}
+    collapses: list[str] = []
+    for k in range(seeds):
+        for method in METHODS:
+            run_dir = out / method / f"seed{base.seed + k}"
+            cfg = dataclasses.replace(
+                base, seed=base.seed + k,
+                allocation=dataclasses.replace(base.allocation, name=method),
+                telemetry=dataclasses.replace(base.telemetry, out_dir=str(run_dir)),
+                checkpoint=dataclasses.replace(base.checkpoint, dir=None),
+            )
+            t0 = time.perf_counter()
+            trainer = Trainer(cfg)
+            try:
+                trainer.train()
+            finally:
+                trainer.close()
+            rows = read_metrics(run_dir / "metrics.jsonl")
+            per_seed[method].append(summarise(rows, time.perf_counter() - t0))
+            if collapsed(rows):
+                collapses.append(f"{method} seed {cfg.seed}")
+            if k == 0:
+                first_runs[method] = rows
 
-    plot_curves(runs, ["reward/mean", "alloc/effective_ratio", "alloc/contrasted_groups"], out / "curves.png",
-                title=f"equal budget: {base.allocation.root_rollouts_per_step} root rollouts/step "
+    plot_curves(first_runs, ["reward/mean", "alloc/effective_ratio", "predictor/skill_smoothed", "alloc/fallback"],
+                out / "curves.png",
+                title=f"seed {base.seed}, equal budget: {base.allocation.root_rollouts_per_step} root rollouts/step "
                       f"x (1 + {base.allocation.continuations_per_rollout}) trajectories")
-    table = {
-        m: {
-            "effective_ratio_mean": _summary(rows, "alloc/effective_ratio"),
-            "contrasted_groups_mean": _summary(rows, "alloc/contrasted_groups"),
-            "predictor_fallback_frac": _summary(rows, "alloc/fallback"),
-            "reward_first3": statistics.fmean([r["reward/mean"] for r in rows[:3]]) if rows else float("nan"),
-            "reward_last3": _summary(rows, "reward/mean", last=3),
-            "trajectories_per_step": _summary(rows, "alloc/trajectories"),
-            "generated_tokens_per_step": _summary(rows, "rollout/generated_tokens"),
-            "wall_s": seconds[m],
-        }
-        for m, rows in runs.items()
-    }
-    _write_report(out, base, table)
+    table = {m: {key: statistics.fmean(s[key] for s in runs) for key in REPORT_KEYS} for m, runs in per_seed.items()}
+    (out / "report.json").write_text(json.dumps(table, indent=1))
+    _write_report(out, base, table, per_seed, collapses)
     return table
 
 
-def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict[str, float]]) -> None:
-    cols = list(next(iter(table.values())).keys())
+def _row(name: str, row: dict[str, float]) -> str:
+    return f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in REPORT_KEYS) + " |"
+
+
+def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict[str, float]],
+                  per_seed: dict[str, list[dict[str, float]]], collapses: list[str]) -> None:
+    seeds = len(next(iter(per_seed.values())))
+    header = ["| method | " + " | ".join(REPORT_KEYS) + " |", "|---|" + "---|" * len(REPORT_KEYS)]
     lines = [
         "# trace-mega demo report",
         "",
         f"Environment `{cfg.env.name}`, {cfg.steps} steps, policy: {cfg.model.num_layers} layers x "
-        f"{cfg.model.hidden_size} hidden, seed {cfg.seed}. Every method spends the same number of "
-        "trajectories per step (root rollouts + continuations).",
+        f"{cfg.model.hidden_size} hidden, seeds {cfg.seed}..{cfg.seed + seeds - 1} (means over seeds). Every "
+        "method spends the same number of trajectories per step (root rollouts + continuations) from the same "
+        "initialisation. `predictor_skill_mean`: pooled held-out Brier skill of the predictor against the "
+        "previous step's mean target (> 0 beats the constant); only trace reads it.",
         "",
-        "| method | " + " | ".join(cols) + " |",
-        "|---|" + "---|" * len(cols),
+        *header,
+        *(_row(m, row) for m, row in table.items()),
     ]
-    for m, row in table.items():
-        lines.append(f"| {m} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
-    lines += ["", "![curves](curves.png)", ""]
-    rel = out / "trace" / "reliability.png"
+    tr, tp, un = (table[m]["effective_ratio_mean"] for m in ("trace", "treepo", "uniform"))
+    lines += ["", f"Effective ratio: trace / treepo = {tr / tp:.2f}x, trace / uniform = {tr / un:.2f}x."
+              if tp > 0 and un > 0 else "", ""]
+    lines += [f"Collapsed runs (reward 0 at token entropy < 0.1 after reaching reward 0.1): "
+              f"{', '.join(collapses) if collapses else 'none'}.", ""]
+    if seeds > 1:
+        lines += ["Per seed:", "", *header]
+        lines += [_row(f"{m} seed {cfg.seed + k}", s) for m, runs in per_seed.items() for k, s in enumerate(runs)]
+        lines += [""]
+    lines += ["![curves](curves.png)", ""]
+    rel = out / "trace" / f"seed{cfg.seed}" / "reliability.png"
     if rel.exists():
-        lines += ["Predictor reliability (trace run, last step):", "", "![reliability](trace/reliability.png)", ""]
+        lines += ["Predictor reliability (trace run, last step):", "",
+                  f"![reliability](trace/seed{cfg.seed}/reliability.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
-    print("\n".join(lines[4:4 + 2 + len(table)]))
+    print("\n".join(lines[4:4 + 2 + len(table) + 4]))
     print(f"report: {out / 'report.md'}")

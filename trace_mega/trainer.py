@@ -39,7 +39,7 @@ from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.credit_metrics import env_credit_accuracy
 from trace_mega.learner.learner import Learner, balanced_bins, hf_config
 from trace_mega.learner.probe import check_task_answers
-from trace_mega.predictor import build_predictor, plot_reliability
+from trace_mega.predictor import SkillGuard, build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
 from trace_mega.rollout.engines import EngineSetup, build_engine
 from trace_mega.rollout.replicas import ReplicaLayout
@@ -84,13 +84,15 @@ class Trainer:
         self.fallback = self.allocator.without_predictor()
         self.predictor = build_predictor(cfg.predictor, hidden_size=self.learner.hidden_size,
                                          vocab_size=self.learner.model_cfg.vocab_size).to(self.learner.groups.device)
+        self.guard = SkillGuard(cfg.allocation.fallback_skill_decay, cfg.allocation.fallback_skill_threshold,
+                                enabled=cfg.allocation.predictor_fallback and self.allocator.uses_predictor)
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
         self.sink = MetricsSink.from_config(cfg.telemetry, to_dict(cfg), enabled=self.is_main)
         if self.is_main:  # the resolved config of the run (`trace-mega export --run OUT_DIR` reads it)
             save_yaml(cfg, Path(cfg.telemetry.out_dir) / "config.yaml")
         self.gpu = GpuProbe()
         self.step = 0
-        self.use_fallback = False
+        self.use_fallback = self.guard.fallback  # an unmeasured predictor does not plan step 0
         self.learner.sync_weights(self.rollouts.engine)  # the engine starts from the learner's initial weights
         self._resume()
 
@@ -123,7 +125,8 @@ class Trainer:
                 with timer("train"), self.rollouts.paused():
                     metrics |= self.learner.train_step(batch)                                        # learn
                 with timer("predictor"):
-                    metrics |= self._fit_predictor(batch)                                            # fit predictor
+                    fit = self.predictor.fit_step(batch)                                             # fit predictor
+                metrics |= self._plot_predictor(fit)  # telemetry, outside the predictor's time
                 with timer("weight_sync"):
                     self.learner.sync_weights(self.rollouts.engine)                                  # sync
             metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
@@ -132,9 +135,8 @@ class Trainer:
                         "alloc/budget_unspent": float(allocator.trajectories_per_step - spent),
                         "alloc/root_continuations": float(batch.root_continuations.sum()),
                         "data/prompt_hash": _hash(tasks)} | allocator.metrics()
-            # NaN (no previous fit to compare with) never triggers the fallback.
-            self.use_fallback = (cfg.allocation.predictor_fallback and self.allocator.uses_predictor
-                                 and metrics.get("predictor/skill", 0.0) < 0.0)
+            metrics |= self.guard.update(metrics)  # the smoothed held-out skill decides the next step
+            self.use_fallback = self.guard.fallback
             self.step = step + 1
             metrics |= self._validate()
             self.sink.log(step, metrics, tag=f"[{allocator.name}] ")
@@ -193,8 +195,8 @@ class Trainer:
         batch.advantages = compute_advantages(batch.packed, batch.trees, cfg.advantage, cfg.credit, batch.node_ell)
         return env_credit_accuracy(self.env, batch.packed, batch.trees, batch.node_ell, cfg.credit)
 
-    def _fit_predictor(self, batch: StepBatch) -> dict[str, Any]:
-        out = self.predictor.fit_step(batch)
+    def _plot_predictor(self, out: dict[str, Any]) -> dict[str, Any]:
+        """`out` (a fit's metrics) without its calibration, whose reliability curve is saved every 10 steps."""
         cal = out.pop("_calibration", None)
         last = self.step == self.cfg.steps - 1
         if cal is not None and self.is_main and cal.num_samples and (self.step % 10 == 0 or last):
@@ -209,7 +211,7 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {"trainer_step": self.step, "sampler": dataclasses.asdict(self.sampler.state),
-                "use_fallback": self.use_fallback, "config": to_dict(self.cfg)}
+                "use_fallback": self.use_fallback, "guard": self.guard.state_dict(), "config": to_dict(self.cfg)}
 
     def _maybe_checkpoint(self) -> None:
         ck = self.cfg.checkpoint
@@ -231,6 +233,7 @@ class Trainer:
         self.step = int(state["trainer_step"])
         self.sampler = PromptSampler(len(self.tasks), self.cfg.seed, SamplerState(**state["sampler"]))
         self.use_fallback = bool(state["use_fallback"])
+        self.guard.load_state_dict(state["guard"])
         pred = Path(ck.dir) / f"predictor_{self.step:08d}.pt"
         self.predictor.load_state_dict(torch.load(pred, map_location=self.learner.groups.device))
         self.learner.sync_weights(self.rollouts.engine)

@@ -123,3 +123,20 @@ def test_predictor_free_counterparts():
         # Same budget and the same sync-free solver options as the allocator it stands in for.
         assert free.trajectories_per_step == alloc.trajectories_per_step
         assert (free.check, free.max_group_size) == (False, 12)
+
+
+def test_trace_exploration_floor_serves_prompts_the_solver_starves():
+    """Rare-success prompts (v = 0.1) next to v = 0.5 ones: the solver alone gives them nothing;
+    exploration_fraction 0.25 gives 2 rollouts each to 4 random prompts, at the same budget."""
+    v = torch.tensor([0.5] * 8 + [0.1] * 24)
+    base = dict(name="trace", prompts_per_step=32, root_rollouts_per_step=32, rollouts_per_prompt_max=8)
+    m0 = build_allocator(AllocationConfig(**base)).plan_roots(v, torch.Generator().manual_seed(0))
+    assert int(m0[8:].sum()) == 0 and int(m0.sum()) == 32
+    served = set()
+    for seed in range(6):
+        m = build_allocator(AllocationConfig(**base, exploration_fraction=0.25)).plan_roots(
+            v, torch.Generator().manual_seed(seed))
+        assert int(m.sum()) == 32 and int((m == 1).sum()) == 0
+        assert int((m[8:] >= 2).sum()) >= 2  # random draws: 4 explored prompts, most of them rare
+        served |= set(torch.nonzero(m[8:]).flatten().tolist())
+    assert len(served) > 8  # the explored prompts change with the step's generator

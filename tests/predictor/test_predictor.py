@@ -98,3 +98,38 @@ def test_replay_batches_are_trained_on():
         pred.fit(pb, sb, replay=[(pa, sa, None)] if replay else [])
         preds[replay] = float(pred.predict(pa, sa.node).mean())
     assert preds[True] > preds[False] + 0.2
+
+
+def test_anchored_zero_head_is_the_constant_and_decay_weights_replay():
+    """anchor_at_mean: an untrained head predicts the previous fit's mean target exactly (skill 0);
+    replay_decay weighs an older batch less."""
+    packed = pack(_trees(seed=4))
+    s = predictor_samples(packed)
+    hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
+    cfg = PredictorConfig(backend="value_head", lr=0.1, updates_per_step=0, anchor_at_mean=True)
+    pred = build_predictor(cfg, hidden_size=8, vocab_size=8)
+    pred.fit(packed, s, hidden)  # sets the anchor; no update
+    v = pred.predict(packed, s.node, hidden)
+    assert torch.allclose(v, torch.full_like(v, float(s.target.mean())), atol=1e-6)
+    assert pred.fit(packed, s, hidden)["predictor/skill"] == pytest.approx(0.0, abs=1e-6)
+
+    def batch(reward, first_token):
+        trees = []
+        for i in range(6):
+            t = RolloutTree(f"p{i}", [first_token, 5])
+            for _ in range(2):
+                t.add_path(t.add_node(0, _turn(3)), [_turn(6)], reward)
+            trees.append(t)
+        return pack(trees)
+
+    old, new = batch(1.0, 1), batch(0.0, 1)  # same features, opposite targets: the weights decide
+    means = {}
+    for decay in (1.0, 0.25):
+        pred = build_predictor(PredictorConfig(backend="value_head", lr=0.1, updates_per_step=200,
+                                               replay_steps=2, replay_decay=decay), hidden_size=8, vocab_size=8)
+        h_old, h_new = (torch.nn.functional.one_hot(p.tokens, 8).float() for p in (old, new))
+        s_new = predictor_samples(new)
+        pred.fit(new, s_new, h_new, replay=[(old, predictor_samples(old), h_old)])
+        means[decay] = float(pred.predict(new, s_new.node, h_new).mean())
+    assert means[1.0] == pytest.approx(0.5, abs=0.05)  # equal weights: the fit sits between 0 and 1
+    assert means[0.25] == pytest.approx(0.2, abs=0.05)  # old batch weighs 0.25: 0.25 / 1.25

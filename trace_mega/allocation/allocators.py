@@ -349,8 +349,16 @@ class TraceAllocator(_Tree):
     def plan_roots(self, v_root, generator=None):
         v = self._clean(v_root)
         perm = torch.argsort(random_keys(v.numel(), generator, v.device)) if generator is not None else None
-        m = allocate_roots(v if perm is None else v[perm], self.root_budget, self.cfg.rollouts_per_prompt_max,
-                           check=self.check)
+        v = v if perm is None else v[perm]
+        # Exploration floor: the last n prompts of the (random) order get 2 rollouts whatever their
+        # prediction, the solver spends the rest. Their v = 0 has gain 0 and ties go to lower
+        # indices, so the solver gives them more only when every other prompt is at the cap.
+        n = min(int(self.cfg.exploration_fraction * self.root_budget) // 2, v.numel())
+        n -= int(self.root_budget - 2 * n == 1)  # a budget of 1 is infeasible
+        explored = torch.arange(v.numel(), device=v.device) >= v.numel() - n
+        m = allocate_roots(torch.where(explored, torch.zeros_like(v), v), self.root_budget - 2 * n,
+                           self.cfg.rollouts_per_prompt_max, check=self.check)
+        m = (m + 2 * explored.long()).clamp(max=self.cfg.rollouts_per_prompt_max) if n else m
         return _unpermute(m, perm)
 
     def _local(self, v, r, group, m, generator):

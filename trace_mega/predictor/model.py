@@ -54,19 +54,27 @@ class Predictor(ABC, nn.Module):
     def node_logits(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         """(S,) logits of success for `nodes` (global ids) of `packed`; differentiable."""
 
+    def logits(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
+        """(S,) fp32 logits: the backend's, offset by the anchor (`cfg.anchor_at_mean`)."""
+        out = self.node_logits(packed, nodes, hidden).float()
+        prior = float(self.prior_mean)
+        if self.cfg.anchor_at_mean and prior == prior:  # no anchor before the first fit (NaN)
+            out = out + torch.logit(torch.tensor(prior).clamp(1e-3, 1.0 - 1e-3)).to(out.device)
+        return out
+
     @torch.no_grad()
     def predict(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(S,) predicted success probabilities in [0, 1]."""
         was_training = self.training
         self.eval()
-        out = torch.sigmoid(self.node_logits(packed, nodes, hidden).float())
+        out = torch.sigmoid(self.logits(packed, nodes, hidden))
         self.train(was_training)
         return out
 
     def fit(self, packed: PackedTrees, samples: PredictorSamples, hidden: Optional[torch.Tensor] = None,
             replay: Sequence[tuple[PackedTrees, PredictorSamples, Optional[torch.Tensor]]] = ()) -> dict:
-        """`cfg.updates_per_step` BCE steps on `samples` (plus the older `replay` batches,
-        each weighted like the newest); returns metrics.
+        """`cfg.updates_per_step` BCE steps on `samples` plus the older `replay` batches (oldest
+        first; a batch k steps old weighs `cfg.replay_decay`**k); returns metrics.
 
         The calibration is measured on the predictions made *before* the update,
         i.e. on trees the predictor has not trained on yet (held-out by time),
@@ -83,10 +91,15 @@ class Predictor(ABC, nn.Module):
         skill = cal.skill if prior == prior else float("nan")
         self.prior_mean.fill_(float(samples.target.mean()))
         loss = torch.zeros(())
-        batches = [(packed, samples, hidden), *((p, s, h) for p, s, h in replay if s.node.numel())]
+        # Newest first: batch k of the list is k steps old.
+        batches = [(packed, samples, hidden, 1.0)]
+        for age, (p, s, h) in enumerate(reversed(list(replay)), start=1):
+            if s.node.numel():
+                batches.append((p, s, h, self.cfg.replay_decay ** age))
+        total = sum(w for *_, w in batches)
         for _ in range(self.cfg.updates_per_step):
-            loss = sum(F.binary_cross_entropy_with_logits(self.node_logits(p, s.node, h).float(), s.target,
-                                                          weight=s.weight) for p, s, h in batches) / len(batches)
+            loss = sum(w * F.binary_cross_entropy_with_logits(self.logits(p, s.node, h), s.target, weight=s.weight)
+                       for p, s, h, w in batches) / total
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -124,7 +137,7 @@ class Predictor(ABC, nn.Module):
         return batch.hidden
 
     def build_optimizer(self) -> None:
-        self.optimizer = torch.optim.Adam(self.parameters(), lr=self.cfg.lr)
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
 
 PREDICTORS: Registry[type[Predictor]] = Registry("predictor backend")

@@ -11,7 +11,9 @@ from test_trainer import CONFIG, ROOT, SMALL, _env, _rows, _train
 
 from trace_mega.learner.parallel import free_port
 
-RUN = ["steps=2", "env.name=synthetic", "env.options={num_tasks: 16}"]
+# The guard keeps an unmeasured predictor off the first steps; off here, so both steps plan with
+# the predictor's (DP-split) scores.
+RUN = ["steps=2", "env.name=synthetic", "env.options={num_tasks: 16}", "allocation.predictor_fallback=false"]
 EXACT = ("alloc/", "reward/", "data/", "rollout/generated_tokens", "rollout/truncated", "rollout/tool_calls",
          "rollout/parse_errors", "rollout/turns_per_episode", "loss/units", "loss/optimizer_steps", "predictor/samples")
 

@@ -47,7 +47,8 @@ def test_two_trace_steps_on_vllm(tmp_path):
     assert (tmp_path / "hf_init" / "config.json").exists()
 
 
-VLLM = ["env.name=synthetic", "env.options={num_tasks: 16}", "steps=2", "rollout.engine=vllm", "model.head_dim=32",
+VLLM = ["env.name=synthetic", "env.options={num_tasks: 16}", "steps=2", "allocation.predictor_fallback=false",
+        "rollout.engine=vllm", "model.head_dim=32",
         "rollout.kv_block_size_tokens=32"]
 
 

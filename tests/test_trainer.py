@@ -28,6 +28,19 @@ def _train(out: Path, *overrides: str, timeout: int = 300) -> list[dict]:
     return _rows(out)
 
 
+def kill_once_two_steps_logged(proc: subprocess.Popen, out: Path, kill) -> None:
+    """Call `kill` once step 1 is in `out`'s metrics, i.e. while step 2 is in flight (or being
+    checkpointed); fails if the run ends first."""
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    kill()
+    proc.wait()
+
+
 def _rows(out: Path) -> list[dict]:
     rows = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
@@ -72,15 +85,7 @@ def test_sigkill_mid_step_resumes_with_the_same_data_order(tmp_path):
     cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, *steps,
            f"telemetry.out_dir={out}", f"checkpoint.dir={ck}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # Kill it once step 1 is logged, i.e. while step 2 is in flight (or being checkpointed).
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_once_two_steps_logged(proc, out, lambda: proc.send_signal(signal.SIGKILL))
     rows = _train(out, *steps, f"checkpoint.dir={ck}")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     # Same prompts in the same order as the uninterrupted run, and the same rollouts.

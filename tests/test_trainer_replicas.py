@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from test_trainer import CONFIG, ROOT, SMALL, _env, _rows, _train
+from test_trainer import CONFIG, ROOT, SMALL, _env, _rows, _train, kill_once_two_steps_logged
 
 from trace_mega.learner.parallel import free_port
 
@@ -83,7 +83,6 @@ def test_sigkill_mid_step_under_dp2_resumes_with_the_same_data_order(tmp_path):
     logs the same prompts and rewards as an uninterrupted DP = 1 run."""
     import os
     import signal
-    import time
 
     steps = ["steps=4", "checkpoint.every_steps=1"]
     ref = _train(tmp_path / "ref", *steps, f"checkpoint.dir={tmp_path / 'ck_ref'}")
@@ -93,14 +92,7 @@ def test_sigkill_mid_step_under_dp2_resumes_with_the_same_data_order(tmp_path):
            f"checkpoint.dir={ck}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-    proc.wait()
+    kill_once_two_steps_logged(proc, out, lambda: os.killpg(proc.pid, signal.SIGKILL))  # torchrun and both ranks
     rows = _torchrun(out, *steps, f"checkpoint.dir={ck}")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["data/prompt_hash"] for r in rows] == [r["data/prompt_hash"] for r in ref]

@@ -10,6 +10,17 @@ def _turn(tok):
     return Node(0, [tok], [1], [-1.0])
 
 
+def _six_prompts(reward: float, first_token: int):
+    """Six prompts starting with `first_token`, each with two one-step paths scoring `reward`."""
+    trees = []
+    for i in range(6):
+        t = RolloutTree(f"p{i}", [first_token, 5])
+        for _ in range(2):
+            t.add_path(t.add_node(0, _turn(3)), [_turn(6)], reward)
+        trees.append(t)
+    return pack(trees)
+
+
 def _trees(n=24, seed=0):
     """Tree i: prompt token 1 (easy) or 2 (hard); a turn token 3 ("good") makes success likely."""
     g = torch.Generator().manual_seed(seed)
@@ -80,13 +91,7 @@ def test_replay_batches_are_trained_on():
     """Fitting on failures alone pulls every prediction down; with a replayed batch of
     successes the replayed prompts' predictions stay higher."""
     def batch(reward, first_token):
-        trees = []
-        for i in range(6):
-            t = RolloutTree(f"p{i}", [first_token, 5])
-            for _ in range(2):
-                t.add_path(t.add_node(0, _turn(3)), [_turn(6)], reward)
-            trees.append(t)
-        packed = pack(trees)
+        packed = _six_prompts(reward, first_token)
         return packed, predictor_samples(packed)
 
     (pa, sa), (pb, sb) = batch(1.0, 1), batch(0.0, 2)
@@ -113,16 +118,7 @@ def test_anchored_zero_head_is_the_constant_and_decay_weights_replay():
     assert torch.allclose(v, torch.full_like(v, float(s.target.mean())), atol=1e-6)
     assert pred.fit(packed, s, hidden)["predictor/skill"] == pytest.approx(0.0, abs=1e-6)
 
-    def batch(reward, first_token):
-        trees = []
-        for i in range(6):
-            t = RolloutTree(f"p{i}", [first_token, 5])
-            for _ in range(2):
-                t.add_path(t.add_node(0, _turn(3)), [_turn(6)], reward)
-            trees.append(t)
-        return pack(trees)
-
-    old, new = batch(1.0, 1), batch(0.0, 1)  # same features, opposite targets: the weights decide
+    old, new = _six_prompts(1.0, 1), _six_prompts(0.0, 1)  # same features, opposite targets: the weights decide
     means = {}
     for decay in (1.0, 0.25):
         pred = build_predictor(PredictorConfig(backend="value_head", lr=0.1, updates_per_step=200,

@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 PAD, UNK, IM_START, IM_END = "<pad>", "[UNK]", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [PAD, UNK, IM_START, IM_END]
+CONTROL_TOKENS = [PAD, UNK, IM_START, IM_END]
 
 # ChatML with whitespace between every token. A tool message whose content
 # starts with "Error" (parse errors, tool timeouts, bad arguments) is rendered as
@@ -60,13 +60,13 @@ def build_tiny_tokenizer(words: Iterable[str], action_tokens: Iterable[str]) -> 
     is kept, so the ids are deterministic.
     """
     vocab: dict[str, int] = {}
-    for w in [*SPECIAL_TOKENS, *BASE_WORDS, *words]:
+    for w in [*CONTROL_TOKENS, *BASE_WORDS, *words]:
         if any(c.isspace() for c in w) or not w:
             raise ValueError(f"tiny-vocabulary word {w!r} is empty or contains whitespace")
         vocab.setdefault(w, len(vocab))
     model = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    model.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    model.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
     actions = [a for a in dict.fromkeys([*FORMAT_TOKENS, *action_tokens]) if a not in vocab]
     model.add_tokens([AddedToken(a, special=False, normalized=False) for a in actions])
     tok = PreTrainedTokenizerFast(

@@ -165,8 +165,7 @@ class Trainer:
         g = self.learner.groups
         node_tree = packed.node_tree[nodes.cpu()]
         trees = sorted(set(node_tree.tolist()))
-        bounds = torch.cat([packed.node_start[packed.tree_node_offset[:-1]], torch.tensor([packed.num_tokens])])
-        tokens = (bounds[1:] - bounds[:-1]).tolist()  # per tree
+        tokens = packed.tree_num_tokens().tolist()
         share = [trees[j] for j in balanced_bins([tokens[t] for t in trees], g.dp_size)[g.dp_rank]]
         idx, vals = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
         if share:

@@ -71,12 +71,6 @@ def balanced_bins(sizes: Sequence[int], n: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def _tree_token_ranges(packed: PackedTrees) -> tuple[list[int], list[int]]:
-    """[start, end) of every tree's tokens in the packed stream."""
-    start = packed.node_start[packed.tree_node_offset[:-1]].tolist()
-    return start, start[1:] + [packed.num_tokens]
-
-
 _SUM_KEYS = ("loss_sum", "num_tokens", "mask_tokens")
 
 
@@ -257,8 +251,7 @@ class Learner:
         g, trees = self.groups, batch.trees
         share = list(range(len(trees)))
         if g.dp_size > 1:
-            start, end = _tree_token_ranges(batch.packed)
-            share = balanced_bins([e - s for s, e in zip(start, end)], g.dp_size)[g.dp_rank]
+            share = balanced_bins(batch.packed.tree_num_tokens().tolist(), g.dp_size)[g.dp_rank]
         ell = reference_probe(
             megatron_packed_forward(self.reference), [trees[i] for i in share], tokenize, template,
             output_weight=output_weight(self.reference), tp_group=g.pgs.tp,
@@ -310,8 +303,8 @@ class Learner:
         weights are sliced from `adv`.
         """
         g = self.groups
-        start, end = _tree_token_ranges(packed)
-        sizes = [end[i] - start[i] for i in tree_ids]
+        per_tree = packed.tree_num_tokens().tolist()
+        sizes = [per_tree[i] for i in tree_ids]
         n = max(1, math.ceil(sum(sizes) / (g.dp_size * self.cfg.parallel.micro_batch_tokens)))
         n = min(n, max(1, len(tree_ids) // g.dp_size))
         out = []
@@ -343,10 +336,9 @@ class Learner:
             raise ValueError("run an advantage estimator on the step first (StepBatch.advantages)")
         opt, lc = self.cfg.optim, self.cfg.loss
         packed, unit = step.packed, aggregation_mode(lc)
-        start, end = _tree_token_ranges(packed)
         # At most one mini-batch per dp_size trees: every rank needs a tree in every mini-batch.
         n_mini = max(1, min(opt.mini_batches_per_step, packed.num_trees // self.groups.dp_size))
-        minis = balanced_bins([e - s for s, e in zip(start, end)], n_mini)
+        minis = balanced_bins(packed.tree_num_tokens().tolist(), n_mini)
         single_update = len(minis) == 1 and opt.epochs_per_step == 1
         on_policy = lc.old_logprobs == "learner" and single_update
         # (T, H) hidden states of the whole layout under the pre-update weights, for the predictor:

@@ -295,15 +295,19 @@ class PackedTrees:
         }
         return PackedTrees(**moved)
 
-    def tree_tokens(self, trees: Sequence[int]) -> torch.Tensor:
-        """(T',) stream indices of the tokens of trees `trees`, in that order (each tree's
-        tokens are one contiguous range of the stream)."""
-        trees = torch.tensor(list(trees), dtype=torch.long)
+    def tree_num_tokens(self) -> torch.Tensor:
+        """(num_trees,) tokens of each tree (each tree's tokens are one contiguous range of the stream)."""
         bounds = torch.cat([self.node_start[self.tree_node_offset[:-1]], torch.tensor([self.num_tokens])])
-        lens = (bounds[1:] - bounds[:-1])[trees]
+        return bounds[1:] - bounds[:-1]
+
+    def tree_tokens(self, trees: Sequence[int]) -> torch.Tensor:
+        """(T',) stream indices of the tokens of trees `trees`, in that order."""
+        trees = torch.tensor(list(trees), dtype=torch.long)
+        lens = self.tree_num_tokens()[trees]
         first = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
         owner = torch.repeat_interleave(torch.arange(trees.numel()), lens)
-        return torch.arange(int(lens.sum())) + (bounds[trees] - first)[owner]
+        start = self.node_start[self.tree_node_offset[:-1]][trees]
+        return torch.arange(int(lens.sum())) + (start - first)[owner]
 
     def select(self, trees: Sequence[int]) -> "PackedTrees":
         """The layout of trees `trees` alone, in that order: equal to `pack` of those trees,

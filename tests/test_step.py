@@ -77,14 +77,19 @@ def test_predictor_reads_the_step_record():
     batch = StepBatch.from_prompts(0, tasks, [[1, 2], [3]])
     batch.grow([_bare(t, p, 2, i) for i, (t, p) in enumerate(zip(tasks, [[1, 2], [3]]))])
     pred = build_predictor(PredictorConfig(replay_steps=2), hidden_size=4, vocab_size=8)
-    with pytest.raises(ValueError, match="Learner.encode"):
-        pred.score(batch, batch.root_nodes())
+    with pytest.raises(ValueError, match="Learner.train_step"):
+        pred.fit_step(batch)
     batch.hidden = torch.nn.functional.one_hot(batch.packed.tokens % 4, 4).float()
-    v = pred.score(batch, batch.root_nodes())
-    assert v.dtype == torch.float64 and v.tolist() == [0.5, 0.5]  # the zero-initialised head
     out = pred.fit_step(batch)
     assert out["predictor/samples"] == 2 + 4 and len(pred.replay) == 1  # roots + first turns; window of 1
     assert pred.replay[0][0] is batch.packed and pred.replay[0][2] is batch.hidden
+    # One data-parallel rank's share: tree 1 alone, its hidden rows; the window keeps the share.
+    rows = batch.packed.tree_tokens([1])
+    batch.hidden, batch.hidden_trees = batch.hidden[rows], [1]
+    out = pred.fit_step(batch)
+    assert out["predictor/samples"] == 2 + 4  # the whole step's count, for the loss and the calibration
+    share_packed, share_samples, _ = pred.replay[-1]
+    assert share_packed.num_trees == 1 and share_samples.total == 6 and share_samples.node.numel() == 3
 
 
 # --- the step's data flow in a real trainer ---------------------------------------------------

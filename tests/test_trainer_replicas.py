@@ -77,6 +77,28 @@ def test_dp2_equals_dp1(tmp_path, run):
     assert_same_run(one, two, replicas=2)
 
 
+# Every no-grad pass (predictions, the probe, reference and old log-probs) and the update
+# through two pipeline stages: two mini-batches make the old-log-prob forward run.
+PIPELINE = [*RUN, "allocation.name=trace", "credit.enabled=true", "credit.answer_template=goal", "loss.kl_coef=0.01",
+            "optim.mini_batches_per_step=2"]
+
+
+@pytest.mark.slow
+def test_pp2_equals_pp1(tmp_path):
+    """Two pipeline stages (one replica spanning both ranks, weights synced from both stages)
+    log what one process logs. Both start from one HF export: megatron seeds each stage's
+    initialisation by its PP rank, so fresh PP = 1 and PP = 2 networks differ."""
+    _train(tmp_path / "init", *RUN[1:], "steps=0", "checkpoint.export_hf_at_end=true")
+    init = f"model.hf_checkpoint={tmp_path / 'init' / 'hf'}"
+    one = _train(tmp_path / "pp1", *PIPELINE, init)
+    two = _torchrun(tmp_path / "pp2", *PIPELINE, init, "parallel.pipeline_model_parallel_size=2")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1]
+    assert all(r["loss/optimizer_steps"] == 2 for r in one) and sum(r["reward/mean"] for r in one) > 0
+    assert any(r["loss/kl_ref"] > 0 for r in one)  # the reference's log-probs were read
+    # The probe's values enter every advantage (TRACE-C), hence the losses compared below.
+    assert_same_run(one, two, replicas=1)
+
+
 @pytest.mark.slow
 def test_sigkill_mid_step_under_dp2_resumes_with_the_same_data_order(tmp_path):
     """Kill a DP = 2 run (the whole process group) while step 2 is in flight; the resumed DP = 2 run

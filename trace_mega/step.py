@@ -5,8 +5,9 @@ layout of them. The layout is extended, never re-packed from scratch, when
 the trees grow: after the bare rollouts (keeping the prompts that got any)
 and after the continuations. Every stage reads the record and fills its own
 fields: predictions and plans (TRACE-A, docs/design.md §3), the policy's
-hidden states of the current layout (computed once per layout and weights,
-and reused by the predictor), the TRACE-C probe values and the advantages.
+hidden states of this rank's share of the final layout (from the update's own
+forward, reused by the predictor's fit), the TRACE-C probe values and the
+advantages.
 """
 from __future__ import annotations
 
@@ -54,8 +55,12 @@ class StepBatch:
     packed: PackedTrees
     """THE layout of `trees` (docs/PACKING.md), extended as they grow."""
     hidden: Optional[torch.Tensor] = None
-    """(T, H) policy final hidden states of `packed` under this step's (pre-update) weights, or None
-    until a forward ran on the current layout; dropped when the layout grows."""
+    """(T_share, H) policy final hidden states under this step's (pre-update) weights of the trees
+    `hidden_trees` (the layout `packed.select(hidden_trees)`), or None until the update ran on the
+    current layout; dropped when the layout grows."""
+    hidden_trees: Optional[list[int]] = None
+    """The trees (indices into `trees`, ascending) whose hidden states `hidden` holds: this
+    data-parallel rank's share of the update (every tree with one rank)."""
     v_root: Optional[torch.Tensor] = None
     """(B,) float64 predicted success of each candidate prompt (zeros for a predictor-free allocator)."""
     rollouts: Optional[torch.Tensor] = None
@@ -92,7 +97,7 @@ class StepBatch:
         self.trees = [trees[i] for i in keep]
         self.prompt_index = self.prompt_index[torch.tensor(keep, dtype=torch.long)]
         self.packed = extend(base, self.trees)
-        self.hidden = None  # it described the old layout
+        self.hidden, self.hidden_trees = None, None  # they described the old layout
 
     def prefix_candidates(self) -> PrefixCandidates:
         """Non-root, non-terminal nodes of the bare trees (each lies on exactly one bare rollout)."""

@@ -43,7 +43,6 @@ from trace_mega.predictor import SkillGuard, build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
 from trace_mega.rollout.engines import EngineSetup, build_engine
 from trace_mega.rollout.replicas import ReplicaLayout
-from trace_mega.rollout.tree import PackedTrees
 from trace_mega.sampler import PromptSampler, SamplerState
 from trace_mega.step import StepBatch
 from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer, tree_metrics
@@ -66,6 +65,7 @@ class Trainer:
         self.learner = Learner(cfg)
         g = self.learner.groups
         self.is_main = g.rank == 0
+        self.dp_group = g.pgs.dp if g.dp_size > 1 else None  # the predictor's fit sums gradients over it
         layout = ReplicaLayout.from_groups(g, cfg.rollout.tensor_parallel_size)
         engine = build_engine(EngineSetup(
             rollout=cfg.rollout, seed=cfg.seed,
@@ -125,7 +125,7 @@ class Trainer:
                 with timer("train"), self.rollouts.paused():
                     metrics |= self.learner.train_step(batch)                                        # learn
                 with timer("predictor"):
-                    fit = self.predictor.fit_step(batch)                                             # fit predictor
+                    fit = self.predictor.fit_step(batch, self.dp_group)                             # fit predictor
                 metrics |= self._plot_predictor(fit)  # telemetry, outside the predictor's time
                 with timer("weight_sync"):
                     self.learner.sync_weights(self.rollouts.engine)                                  # sync
@@ -146,44 +146,29 @@ class Trainer:
 
     # --- components' glue -------------------------------------------------------------
     def _predict(self, batch: StepBatch, nodes: torch.Tensor, allocator: Allocator) -> torch.Tensor:
-        """(S,) predicted success of `nodes` of the step's layout, on the learner's device; zeros, with
-        no forward at all, for an allocator that does not read them."""
-        g = self.learner.groups
-        if not allocator.uses_predictor or nodes.numel() == 0:
-            return torch.zeros(nodes.numel(), dtype=torch.float64, device=g.device)
-        if self.predictor.needs_policy_hidden and g.dp_size > 1 and g.pp_size == 1:
-            return self._predict_split(batch.packed, nodes)
-        if self.predictor.needs_policy_hidden:
-            self.learner.encode(batch)
-        return self.predictor.score(batch, nodes)
+        """(S,) float64 predicted success of `nodes` of the step's layout, on the learner's device;
+        zeros, with no forward at all, for an allocator that does not read them.
 
-    def _predict_split(self, packed: PackedTrees, nodes: torch.Tensor) -> torch.Tensor:
-        """`_predict` with the policy forward split over data-parallel ranks: each DP rank (with its
-        TP peers) encodes only its share of the trees that hold `nodes` (`balanced_bins` on tokens,
-        the same on every rank), scores their nodes, and the (index, value) pairs are all-gathered
-        over DP, so every rank gets all S predictions without repeating another rank's forward."""
+        The forwards are split over data-parallel ranks: each DP rank (with its TP and PP peers)
+        encodes only its share of the trees that hold `nodes` (`balanced_bins` on tokens, the same
+        on every rank) and scores their nodes; the predictions are summed over DP into the whole
+        vector (each is filled by exactly one rank), so no rank repeats another rank's forward."""
         g = self.learner.groups
-        node_tree = packed.node_tree[nodes.cpu()]
-        trees = sorted(set(node_tree.tolist()))
+        out = torch.zeros(nodes.numel(), dtype=torch.float64, device=g.device)
+        if not allocator.uses_predictor or nodes.numel() == 0:
+            return out
+        packed = batch.packed
+        trees = sorted(set(packed.node_tree[nodes.cpu()].tolist()))
         tokens = packed.tree_num_tokens().tolist()
         share = [trees[j] for j in balanced_bins([tokens[t] for t in trees], g.dp_size)[g.dp_rank]]
-        idx, vals = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
         if share:
             sub = packed.select(share)
-            pos = torch.full((packed.num_trees,), -1, dtype=torch.long)
-            pos[torch.tensor(share)] = torch.arange(len(share))
-            idx = torch.nonzero(pos[node_tree] >= 0).flatten()
-            mine = nodes.cpu()[idx]
-            t = node_tree[idx]
-            # global node id -> the same node in the sub-layout (trees keep their internal numbering)
-            local = mine - packed.tree_node_offset[t] + sub.tree_node_offset[pos[t]]
-            vals = self.predictor.predict(sub, local, self.learner.hidden_states(sub)).double().cpu()
-        gathered: list = [None] * g.dp_size
-        dist.all_gather_object(gathered, (idx, vals), group=g.pgs.dp)
-        out = torch.zeros(nodes.numel(), dtype=torch.float64)
-        for i, v in gathered:
-            out[i] = v
-        return out.to(g.device)
+            idx, local = packed.nodes_in(share, nodes)
+            hidden = self.learner.hidden_states(sub) if self.predictor.needs_policy_hidden else None
+            out[idx.to(g.device)] = self.predictor.predict(sub, local, hidden).to(out)
+        if g.dp_size > 1:
+            dist.all_reduce(out, group=g.pgs.dp)
+        return out
 
     def _credit(self, batch: StepBatch) -> dict[str, float]:
         """TRACE-C probe values (when enabled) and the advantages of the step's final trees; returns the

@@ -107,7 +107,7 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
         return compute_loss(lp, mb, cfg, old_logprobs=lp.detach()).loss * units, units, {}
 
     batches = []
-    for mb, _ in learner._micro_batches(step.packed, step.advantages, range(len(trees))):
+    for _, mb, _ in learner._micro_batches(step.packed, step.advantages, range(len(trees))):
         ids, pos, mask = learner._inputs(mb)
         batches.append({"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb})
     train_step(learner.chunks, learner.optimizer, learner.scheduler, batches, loss_fn, learner.groups,

@@ -129,3 +129,51 @@ def test_anchored_zero_head_is_the_constant_and_decay_weights_replay():
         means[decay] = float(pred.predict(new, s_new.node, h_new).mean())
     assert means[1.0] == pytest.approx(0.5, abs=0.05)  # equal weights: the fit sits between 0 and 1
     assert means[0.25] == pytest.approx(0.2, abs=0.05)  # old batch weighs 0.25: 0.25 / 1.25
+
+
+def _dp_fits(packed, hidden, trees, group=None):
+    """Three value-head fits (a replay window of 2) on the trees `trees` of `packed`; the head's
+    weights and each fit's metrics."""
+    torch.manual_seed(0)
+    pred = build_predictor(PredictorConfig(replay_steps=2, lr=5e-2), hidden_size=hidden.shape[1], vocab_size=8)
+    samples = predictor_samples(packed)
+    if len(trees) < packed.num_trees:
+        samples, hidden, packed = samples.share(packed, trees), hidden[packed.tree_tokens(trees)], packed.select(trees)
+    metrics, replay = [], []
+    for _ in range(3):
+        out = pred.fit(packed, samples, hidden, replay=replay, group=group)
+        metrics.append({k: v for k, v in out.items() if not k.startswith("_")})
+        replay = [(packed, samples, hidden)]
+    return torch.cat([p.detach().flatten() for p in pred.parameters()]), metrics
+
+
+def _dp_worker(rank, port, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    packed = pack(_trees(12))
+    hidden = torch.randn(packed.num_tokens, 8, generator=torch.Generator().manual_seed(1))
+    weights, metrics = _dp_fits(packed, hidden, list(range(rank, 12, 2)), group=dist.group.WORLD)
+    torch.save((weights, metrics), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_data_parallel_fit_on_shares_equals_the_one_process_fit(tmp_path):
+    """Two gloo ranks, each fitting on half the trees (its hidden rows only) with the gradients
+    summed over DP, take the updates and report the metrics of one process fitting on all trees."""
+    import torch.multiprocessing as mp
+
+    from trace_mega.learner.parallel import free_port
+
+    mp.start_processes(_dp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    packed = pack(_trees(12))
+    hidden = torch.randn(packed.num_tokens, 8, generator=torch.Generator().manual_seed(1))
+    weights, metrics = _dp_fits(packed, hidden, list(range(12)))
+    assert any(m["predictor/skill"] == m["predictor/skill"] for m in metrics)  # measured, not NaN throughout
+    for r in range(2):
+        w, m = torch.load(tmp_path / f"rank{r}.pt")
+        torch.testing.assert_close(w, weights, rtol=1e-5, atol=1e-6)
+        for a, b in zip(m, metrics):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7, nan_ok=True), k

@@ -4,15 +4,16 @@ It owns the parallel state, the policy (megatron DDP + optimizer + LR
 schedule), the frozen reference (a copy of the initial policy, built only when
 the KL term or TRACE-C needs it), and exposes what the step loop needs:
 
-* `encode(batch)` — policy final hidden states of a step's layout, for the
-  predictor's value head (one forward, no grad), once per layout;
+* `hidden_states(packed)` — policy final hidden states of a layout (no grad), for
+  the predictor's value head, on every rank;
 * `probe(batch, tokenize, template)` — TRACE-C's ℓ̄ at every tool boundary from
   the reference (one packed forward per group of trees);
 * `train_step(batch)` — the step's policy update: epochs x mini-batches of whole
-  trees with `batch.advantages`, one optimiser step each; it leaves the step's
-  hidden states under the pre-update weights in `batch.hidden` (from the training
-  forward when the update is on-policy, else from the no-grad old-log-prob
-  forward), so the predictor fits without another policy forward (docs/step.md);
+  trees with `batch.advantages`, one optimiser step each; it leaves the hidden
+  states of this DP rank's trees under the pre-update weights in `batch.hidden`
+  (from the training forward when the update is on-policy, else from the no-grad
+  old-log-prob forward), so the predictor fits on each rank's share without another
+  policy forward (docs/step.md);
 * `old_logprobs(packed, return_hidden)` — one no-grad policy forward: the log-probs of the
   loss tokens (the PPO reference) and optionally every token's hidden state;
 * `sync_weights(engine)` — the in-memory weight sync to a rollout engine (the
@@ -27,6 +28,11 @@ learner`) or the engine's sampling log-probs (`behaviour`); with one mini-batch 
 the learner's old log-probs are the current ones detached (ratio 1, the on-policy gradient).
 Rollout importance weights (`loss.rollout_is`) correct for the engine-vs-learner mismatch
 (docs/credit.md).
+
+Pipeline stages: every forward goes through megatron's schedule (`train_step`, or
+`forward_only` for the no-grad passes), so each stage runs only its layers; what the
+last stage computes (hidden states, log-probs, probe values) is broadcast over the
+PP group where another stage needs it (`_to_all_stages`).
 """
 from __future__ import annotations
 
@@ -44,8 +50,8 @@ from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, sa
 from trace_mega.learner.convert import export_hf, load_hf_into, save_hf
 from trace_mega.learner.logprobs import packed_token_logprobs
 from trace_mega.learner.losses import aggregation_mode, compute_loss, rollout_is_weights, unit_count
-from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight, unwrap
-from trace_mega.learner.optim import build_optimizer, train_step, wrap_ddp
+from trace_mega.learner.models import build_model, model_config_from_hf, output_weight, unwrap
+from trace_mega.learner.optim import build_optimizer, forward_only, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
 from trace_mega.learner.probe import ProbeResult, megatron_packed_forward, reference_probe
 from trace_mega.rollout.tree import PackedTrees
@@ -158,9 +164,6 @@ class Learner:
         self.groups: ParallelGroups = init_parallel(cfg.parallel, seed=cfg.seed)
         g = self.groups
         self.model_cfg = resolve_model_config(cfg)
-        if g.pp_size > 1:
-            raise ValueError("parallel.pipeline_model_parallel_size > 1: the trainer's predictor / probe passes "
-                             "run on PP = 1 (the learner's train_step itself supports PP; see docs/learner.md)")
         policy = build_model(self.model_cfg, cfg.parallel, g.pgs, g.device, g.pp_rank, g.pp_size)
         if cfg.model.hf_checkpoint:
             load_hf_into(policy, cfg.model.hf_checkpoint, g)
@@ -180,6 +183,10 @@ class Learner:
     @property
     def hidden_size(self) -> int:
         return self.model_cfg.hidden_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.model_cfg.params_dtype)
 
     def _vocab_start(self, net: torch.nn.Module) -> int:
         """Vocab id of this TP rank's first LM-head row (the vocabulary is padded to a multiple of TP)."""
@@ -204,28 +211,38 @@ class Learner:
         mask = tree_attention_mask(node.to(dev), node_exit.to(dev))
         return tokens[None].to(dev), positions[None].to(dev), mask
 
+    def _batch(self, packed: PackedTrees, trees: slice = slice(None)) -> dict:
+        ids, pos, mask = self._inputs(packed, trees)
+        return {"input_ids": ids, "position_ids": pos, "tree_mask": mask}
+
+    def _to_all_stages(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the last pipeline stage holds it, on every stage of this rank's PP group (in place;
+        the other stages pass a tensor of the same shape and dtype)."""
+        g = self.groups
+        if g.pp_size > 1:
+            dist.broadcast(t, src=dist.get_global_rank(g.pgs.pp, g.pp_size - 1), group=g.pgs.pp)
+        return t
+
     @torch.no_grad()
     def hidden_states(self, packed: PackedTrees) -> torch.Tensor:
-        """(T, H) policy hidden states after the final norm (no grad), one forward per run of
-        consecutive trees holding at most `parallel.micro_batch_tokens` tokens."""
+        """(T, H) policy hidden states after the final norm (no grad) on every rank: one pipelined
+        forward of runs of consecutive trees holding at most `parallel.micro_batch_tokens` tokens
+        each, computed on the last stage and broadcast over PP."""
+        hidden = torch.zeros(packed.num_tokens, self.hidden_size, device=self.groups.device, dtype=self.dtype)
         if packed.num_tokens == 0:
-            return torch.zeros(0, self.hidden_size, device=self.groups.device)
-        starts = packed.node_start[packed.tree_node_offset[:-1]].tolist() + [packed.num_tokens]
-        out, first = [], 0
-        for i in range(packed.num_trees):
-            if i + 1 == packed.num_trees or starts[i + 2] - starts[first] > self.cfg.parallel.micro_batch_tokens:
-                ids, pos, mask = self._inputs(packed, slice(first, i + 1))
-                hidden = forward_packed(self.policy, ids, pos, mask, output="hidden")[0]
-                out.append(hidden[: starts[i + 1] - starts[first]])
-                first = i + 1
-        return torch.cat(out)
-
-    def encode(self, batch: "StepBatch") -> torch.Tensor:
-        """`batch.hidden`: the policy's hidden states of the step's current layout (no grad),
-        computed only when no forward under the current weights has produced them yet."""
-        if batch.hidden is None:
-            batch.hidden = self.hidden_states(batch.packed)
-        return batch.hidden
+            return hidden
+        sizes = packed.tree_num_tokens().tolist()
+        runs, first, used = [], 0, 0
+        for i, n in enumerate(sizes):
+            if i > first and used + n > self.cfg.parallel.micro_batch_tokens:
+                runs.append(slice(first, i))
+                first, used = i, 0
+            used += n
+        runs.append(slice(first, len(sizes)))
+        out = forward_only(self.chunks[0], [self._batch(packed, r) for r in runs])
+        if out:
+            hidden.copy_(torch.cat([h[0, : sum(sizes[r])] for h, r in zip(out, runs)]))
+        return self._to_all_stages(hidden)
 
     def _logprobs(self, hidden: torch.Tensor, net: torch.nn.Module, packed: PackedTrees, **kw):
         """Log-probs (and with_entropy, entropies) of `packed`'s loss tokens from `net`'s LM head
@@ -234,18 +251,12 @@ class Learner:
                                      vocab_start=self._vocab_start(net), vocab_size=self.model_cfg.vocab_size, **kw)
 
     @torch.no_grad()
-    def token_logprobs(self, packed: PackedTrees, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
-        """(T,) log-probs of `packed`'s loss-mask tokens under `model` (default: the policy), 0 elsewhere."""
-        net = self.policy if model is None else model
-        ids, pos, mask = self._inputs(packed)
-        return self._logprobs(forward_packed(net, ids, pos, mask, output="hidden")[0, : packed.num_tokens], net, packed)
-
-    @torch.no_grad()
     def probe(self, batch: "StepBatch", tokenize: Callable[[str], list[int]], template: str) -> torch.Tensor:
         """TRACE-C: (N,) ℓ̄ of the gold answer at the boundary after every node of the step's layout,
-        from the frozen reference. Each data-parallel rank (with its TP peers) probes its share of the
-        trees (`balanced_bins` on tokens, the same on every rank; PP = 1) and the per-tree values are
-        all-gathered over DP, so no rank repeats another's forward."""
+        from the frozen reference. Each data-parallel rank (with its TP and PP peers) probes its share
+        of the trees (`balanced_bins` on tokens, the same on every rank); the last pipeline stage's
+        values are broadcast over PP and the per-tree values all-gathered over DP, so no rank repeats
+        another's forward."""
         if self.reference is None:
             raise RuntimeError("no reference model: TRACE-C needs credit.enabled at construction")
         g, trees = self.groups, batch.trees
@@ -258,6 +269,9 @@ class Learner:
             vocab_start=self._vocab_start(self.reference), max_tokens=self.cfg.parallel.micro_batch_tokens,
             max_answer_tokens=self.cfg.credit.max_answer_tokens, vocab_size=self.model_cfg.vocab_size,
         ).ell if share else []
+        if g.pp_size > 1 and ell:  # the stages before the last ran their layers; the values are the last's
+            flat = self._to_all_stages(torch.cat(ell).to(g.device)).cpu()
+            ell = list(flat.split([len(e) for e in ell]))
         result = ProbeResult(list(ell))
         if g.dp_size > 1:
             gathered: list = [None] * g.dp_size
@@ -272,30 +286,21 @@ class Learner:
     # --- training ------------------------------------------------------------------
     @torch.no_grad()
     def old_logprobs(self, packed: PackedTrees, return_hidden: bool = False):
-        """(T,) policy log-probs of `packed`'s loss tokens (no grad), and with `return_hidden` the
-        (T, H) final hidden states of every token they came from (for the predictor's value head).
+        """(T,) policy log-probs of `packed`'s loss tokens (no grad; on the last pipeline stage, None
+        on the others), and with `return_hidden` the (T, H) final hidden states of every token they
+        came from (on every rank).
 
         Pass the log-probs to `train_step(..., old_logprobs=...)` to reuse this forward as the PPO
         reference; the forward is chunked like `hidden_states`.
         """
         hidden = self.hidden_states(packed)
-        lp = self._logprobs(hidden, self.policy, packed)
+        lp = self._logprobs(hidden, self.policy, packed) if self.groups.is_last_stage else None
         return (lp, hidden) if return_hidden else lp
 
-    @torch.no_grad()
-    def _micro_forward(self, batch: dict) -> torch.Tensor:
-        """(T_mb,) no-grad policy log-probs of one prepared micro-batch; its hidden states go to
-        the batch's `hidden_out` rows (the step's layout under the pre-update weights)."""
-        mb: PackedTrees = batch["packed"]
-        hidden = forward_packed(self.policy, batch["input_ids"], batch["position_ids"], batch["tree_mask"],
-                                output="hidden")[0, : mb.num_tokens]
-        out_hidden, idx = batch.pop("hidden_out")
-        out_hidden[idx] = hidden.to(out_hidden.dtype)
-        return self._logprobs(hidden, self.policy, mb)
-
     def _micro_batches(self, packed: PackedTrees, adv: "Advantages",
-                       tree_ids: Sequence[int]) -> list[tuple[PackedTrees, torch.Tensor]]:
-        """This DP rank's micro-batches of the trees `tree_ids`: (pack, stream positions in `packed`).
+                       tree_ids: Sequence[int]) -> list[tuple[list[int], PackedTrees, torch.Tensor]]:
+        """This DP rank's micro-batches of the trees `tree_ids`: (trees, pack, their stream positions
+        in `packed`).
 
         The trees are binned by tokens into dp * n bins (`balanced_bins`, n = micro-batches per
         rank from the token budget, never more bins than trees: an empty one cannot run); rank r
@@ -313,7 +318,7 @@ class Learner:
             mb, idx = packed.select(ids), packed.tree_tokens(ids)
             # The loss reads its per-token inputs off the micro-batch it is given.
             mb.advantages, mb.token_weight = adv.advantages[idx], adv.token_weight[idx]
-            out.append((mb, idx))
+            out.append((ids, mb, idx))
         return out
 
     def train_step(self, step: "StepBatch", old_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
@@ -324,58 +329,68 @@ class Learner:
         in every step (its share of each mini-batch), so the distributed optimizer's collectives
         line up. The PPO ratio is taken against `loss.old_logprobs`:
         * learner — the policy before the first update: `old_logprobs` (T,) when given (from
-          `Learner.old_logprobs`), else one no-grad forward per micro-batch before the first
+          `Learner.old_logprobs`), else one no-grad forward of each mini-batch before the first
           step. With one mini-batch and one epoch nothing is off-policy, so the current
           log-probs, detached, are the old ones (no extra forward; the update is the plain
           policy gradient, identical to a single on-policy step);
         * behaviour — the rollout engine's sampling log-probs stored on the trees.
         `loss.rollout_is` multiplies the surrogate by truncated weights min(π_old/π_engine, C).
         Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima).
+
+        `step.hidden` / `step.hidden_trees`: the hidden states under the pre-update weights of
+        the trees this DP rank trained on (its share of every mini-batch), in stream order, on
+        every pipeline stage: the predictor fits on each rank's share (docs/step.md).
         """
         if step.advantages is None:
             raise ValueError("run an advantage estimator on the step first (StepBatch.advantages)")
-        opt, lc = self.cfg.optim, self.cfg.loss
+        opt, lc, g = self.cfg.optim, self.cfg.loss, self.groups
         packed, unit = step.packed, aggregation_mode(lc)
         # At most one mini-batch per dp_size trees: every rank needs a tree in every mini-batch.
-        n_mini = max(1, min(opt.mini_batches_per_step, packed.num_trees // self.groups.dp_size))
-        minis = balanced_bins(packed.tree_num_tokens().tolist(), n_mini)
+        n_mini = max(1, min(opt.mini_batches_per_step, packed.num_trees // g.dp_size))
+        minis = [self._micro_batches(packed, step.advantages, ids)
+                 for ids in balanced_bins(packed.tree_num_tokens().tolist(), n_mini)]
         single_update = len(minis) == 1 and opt.epochs_per_step == 1
         on_policy = lc.old_logprobs == "learner" and single_update
-        # (T, H) hidden states of the whole layout under the pre-update weights, for the predictor:
-        # filled by the training forward of a single update, else by a no-grad forward first.
-        hidden = torch.zeros(packed.num_tokens, self.hidden_size, device=self.groups.device,
-                             dtype=getattr(torch, self.model_cfg.params_dtype))
-        plans = []
-        for ids in minis:  # every micro-batch of every mini-batch, prepared before any update
-            batches = []
-            for mb, idx in self._micro_batches(packed, step.advantages, ids):
-                ids_t, pos, mask = self._inputs(mb)
-                batch = {"input_ids": ids_t, "position_ids": pos, "tree_mask": mask, "packed": mb,
-                         "hidden_out": (hidden, idx.to(hidden.device))}
-                if self.reference is not None and lc.kl_coef > 0:
-                    batch["ref_logprobs"] = self.token_logprobs(mb, self.reference)
-                if not single_update:
-                    lp = self._micro_forward(batch)  # pops hidden_out: later forwards are post-update
-                    if lc.old_logprobs == "learner":
-                        batch["old_logprobs"] = lp if old_logprobs is None else old_logprobs[idx.to(old_logprobs.device)]
-                batches.append(batch)
-            plans.append(batches)
+        # (T_share, H) hidden states of this rank's trees under the pre-update weights, for the
+        # predictor: filled by the training forward of a single update, else by a no-grad forward.
+        share = sorted(t for mini in minis for ids, _, _ in mini for t in ids)
+        rows = packed.tree_tokens(share)  # ascending: trees are contiguous in tree order
+        where = torch.full((packed.num_tokens,), -1, dtype=torch.long)
+        where[rows] = torch.arange(rows.numel())
+        hidden = torch.zeros(rows.numel(), self.hidden_size, device=g.device, dtype=self.dtype)
+        plans = [self._prepare(mini, hidden, where, old_logprobs, single_update) for mini in minis]
         loss_fn = self._loss_fn(unit, on_policy)
-        steps = [train_step(self.chunks, self.optimizer, self.scheduler, batches, loss_fn, self.groups,
-                            output="hidden")
+        steps = [train_step(self.chunks, self.optimizer, self.scheduler, batches, loss_fn, g, output="hidden")
                  for _ in range(opt.epochs_per_step) for batches in plans]
-        step.hidden = self._share_hidden(hidden)
+        step.hidden, step.hidden_trees = self._to_all_stages(hidden), share
         return _step_metrics(steps)
 
-    def _share_hidden(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """The step's hidden states of the whole layout on every rank: each DP rank filled the rows
-        of its own micro-batches (the others are 0, so the sum is exact); TP ranks hold the same
-        rows. None with pipeline stages (only the last one ran the loss)."""
-        if self.groups.pp_size > 1:
-            return None
-        if self.groups.dp_size > 1:
-            dist.all_reduce(hidden, group=self.groups.pgs.dp_cp)
-        return hidden
+    @torch.no_grad()
+    def _prepare(self, mini: list, hidden: torch.Tensor, where: torch.Tensor, old_logprobs: Optional[torch.Tensor],
+                 single_update: bool) -> list[dict]:
+        """The micro-batches of one mini-batch, prepared before any update: inputs, the reference's
+        log-probs (KL), and unless the update is a single one the no-grad forward under the
+        pre-update weights (the hidden rows now or never; the old log-probs). Log-probs live on the
+        last pipeline stage, where the loss runs."""
+        lc, g = self.cfg.loss, self.groups
+        batches = [dict(self._batch(mb), packed=mb, hidden_out=(hidden, where[idx].to(g.device)))
+                   for _, mb, idx in mini]
+        if self.reference is not None and lc.kl_coef > 0:
+            for b, h in zip(batches, forward_only(self.reference, batches)):
+                b["ref_logprobs"] = self._logprobs(h[0, : b["packed"].num_tokens], self.reference, b["packed"])
+        if single_update:  # the training forward fills the hidden rows and is its own old policy
+            return batches
+        for b, h in zip(batches, forward_only(self.chunks[0], batches)):
+            out, at = b["hidden_out"]
+            h = h[0, : b["packed"].num_tokens]
+            out[at] = h.to(out.dtype)
+            if lc.old_logprobs == "learner" and old_logprobs is None:
+                b["old_logprobs"] = self._logprobs(h, self.policy, b["packed"])
+        for b, (_, _, idx) in zip(batches, mini):
+            del b["hidden_out"]
+            if lc.old_logprobs == "learner" and old_logprobs is not None and g.is_last_stage:
+                b["old_logprobs"] = old_logprobs[idx.to(old_logprobs.device)]
+        return batches
 
     def _loss_fn(self, unit: str, on_policy: bool):
         cfg = self.cfg.loss
@@ -418,8 +433,33 @@ class Learner:
 
     # --- weights and checkpoints -----------------------------------------------------
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors of the policy (collective over TP/EP: every rank must iterate)."""
-        return export_hf(self.chunks[0], self.groups)
+        """HF-named full tensors of the whole policy (collective: every rank must iterate).
+
+        Each stage's tensors are gathered over TP/EP; with pipeline stages they are then
+        broadcast over PP stage by stage, one tensor at a time, since a rollout replica spans
+        every stage of its model-parallel group and its engine loads the whole network."""
+        if self.groups.pp_size == 1:
+            return export_hf(self.chunks[0], self.groups)
+        return self._export_all_stages()
+
+    def _export_all_stages(self) -> Iterator[tuple[str, torch.Tensor]]:
+        g = self.groups
+        for stage in range(g.pp_size):
+            src = dist.get_global_rank(g.pgs.pp, stage)
+            sender = stage == g.pp_rank
+            mine = iter(export_hf(self.chunks[0], g)) if sender else None
+            while True:
+                meta: list = [None]  # (name, shape, dtype) of the sender's next tensor, or "end"
+                if sender:
+                    item = next(mine, None)
+                    meta = ["end" if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+                dist.broadcast_object_list(meta, src=src, group=g.pgs.pp)
+                if meta[0] == "end":
+                    break
+                name, shape, dtype = meta[0]
+                t = item[1].contiguous() if sender else torch.empty(shape, dtype=dtype, device=g.device)
+                dist.broadcast(t, src=src, group=g.pgs.pp)
+                yield name, t
 
     def sync_weights(self, engine: Optional["Engine"]) -> None:
         """Push the policy's weights into `engine` in memory. Every rank calls this (the export is

@@ -9,6 +9,9 @@
   optimiser step over a list of micro-batches through `get_forward_backward_func`
   (1F1B with PP). The model output handed to `loss_fn` is vocab-parallel logits
   `(B, T, V/tp)` (or hidden states `(B, T, H)` with `output="hidden"`).
+* `forward_only(model, batches)`: the no-grad forward of a list of micro-batches
+  through the same schedule (pipelined over PP stages); the final hidden states
+  come back on the last stage.
 
 Loss contract: `loss_fn(output, batch) -> (loss_sum, num_tokens, metrics)`:
 `loss_sum` a scalar summed over this micro-batch's tokens, `num_tokens` an int
@@ -38,7 +41,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from trace_mega.config import OptimConfig, ParallelConfig
 from trace_mega.learner.parallel import ParallelGroups
 
-__all__ = ["wrap_ddp", "build_optimizer", "train_step", "LossFn"]
+__all__ = ["wrap_ddp", "build_optimizer", "train_step", "forward_only", "LossFn"]
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +200,37 @@ def train_step(
         scheduler.step(increment=1)
     metrics.update(grad_norm=grad_norm, skipped=0.0, lr=lr)
     return metrics
+
+
+def _forward_only_step(data_iterator, model):
+    """megatron `forward_step_func` without a loss: the last stage's schedule keeps the output."""
+    batch = next(data_iterator)
+    return model(batch["input_ids"], batch["position_ids"], batch.get("tree_mask"), return_hidden=True), None
+
+
+@torch.no_grad()
+def forward_only(model: torch.nn.Module, batches: Iterable[dict]) -> list[torch.Tensor]:
+    """(B, T, H) final-norm hidden states of each micro-batch (no grad), in order, on the model's
+    last pipeline stage; [] on the other stages (their layers ran, their output went downstream).
+
+    Runs megatron's schedule with `forward_only=True`, so with PP the micro-batches flow through
+    the stages as in training (shapes exchanged per micro-batch: `variable_seq_lengths`); every
+    rank of the model-parallel group must call it with the same batches. `model` is a policy
+    chunk (DDP-wrapped) or the frozen reference.
+    """
+    batches = list(batches)
+    if not batches:
+        return []
+    out = get_forward_backward_func()(
+        forward_step_func=_forward_only_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=max(b["input_ids"].shape[1] for b in batches),
+        micro_batch_size=batches[0]["input_ids"].shape[0],
+        forward_only=True,
+    )
+    return [h.transpose(0, 1) for h in out]  # (S, B, H) -> (B, S, H); empty before the last stage
 
 
 def _lr(optimizer: MegatronOptimizer) -> float:

@@ -37,7 +37,9 @@ __all__ = [
     "build_probe_batch", "run_probe", "reference_probe", "hf_packed_forward", "megatron_packed_forward",
 ]
 
-PackedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (tokens, position_ids, token_node, token_node_exit), (1, T) each -> (T, H) hidden states or (T, V)
+# logits (a leading batch dim of 1 allowed); None on a pipeline stage before the last.
+PackedForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
 
 
 def answer_token_ids(tokenize: Callable[[str], list[int]], template: str, gold: str) -> tuple[list[int], list[int]]:
@@ -159,6 +161,8 @@ def run_probe(model: PackedForward, batch: ProbeBatch, *, output_weight: Optiona
     """
     p = batch.packed
     out = model(p.tokens[None], p.position_ids[None], p.token_node[None], p.token_node_exit[None])
+    if out is None:  # a pipeline stage before the last: its layers ran, the last stage has the values
+        return torch.full((batch.probe_node.numel(),), float("nan"))
     out = out[0] if out.dim() == 3 else out  # (T, H) or (T, V)
     p = p.to(out.device)  # the model may run on an accelerator; the batch is built on the host
     if output_weight is not None:
@@ -238,15 +242,18 @@ def hf_packed_forward(hf_model: torch.nn.Module) -> PackedForward:
 
 
 def megatron_packed_forward(model: torch.nn.Module, pad_multiple: Optional[int] = None) -> PackedForward:
-    """`PackedForward` (hidden states) for the learner's `TreeGPTModel` (PP = 1); pair with
+    """`PackedForward` (hidden states) for the learner's `TreeGPTModel`; pair with
     `trace_mega.learner.models.output_weight(model)`.
 
     Inputs move to the model's device; the stream is padded to a multiple of `pad_multiple`
     (default: the TP size, as sequence parallelism splits it) with one extra node that
-    attends only to itself.
+    attends only to itself. The forward runs through megatron's schedule (`forward_only`), so
+    with pipeline stages every stage calls it and only the last gets the hidden states (None on
+    the others).
     """
     from trace_mega.learner.attention import tree_attention_mask
-    from trace_mega.learner.models import forward_packed, unwrap
+    from trace_mega.learner.models import unwrap
+    from trace_mega.learner.optim import forward_only
 
     net = unwrap(model)
     multiple = pad_multiple or net.config.tensor_model_parallel_size
@@ -261,7 +268,8 @@ def megatron_packed_forward(model: torch.nn.Module, pad_multiple: Optional[int] 
             tokens, token_node, token_node_exit = fill(tokens, 0), fill(token_node, extra), fill(token_node_exit, extra)
             position_ids = torch.cat([position_ids, torch.arange(pad)[None]], dim=1)
         mask = tree_attention_mask(token_node.to(dev), token_node_exit.to(dev))
-        hidden = forward_packed(model, tokens.to(dev), position_ids.to(dev), mask, output="hidden")
-        return hidden[0, :T]  # (T, H)
+        out = forward_only(model, [{"input_ids": tokens.to(dev), "position_ids": position_ids.to(dev),
+                                    "tree_mask": mask}])
+        return out[0][0, :T] if out else None  # (T, H)
 
     return forward

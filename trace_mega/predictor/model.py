@@ -11,9 +11,10 @@ Two backends behind `PREDICTORS`:
 Both score arbitrary nodes of a `PackedTrees` batch in one batched call
 (`trace_mega.kernels.boundary_scoring` gathers the boundary hidden states,
 applies the head and the sigmoid) and train online with binary cross-entropy
-on the soft targets of `targets.predictor_samples`. On a trainer step they
-read the step record (`score`, `fit_step`): its layout and, for `value_head`,
-the policy hidden states the learner already computed for it.
+on the soft targets of `targets.predictor_samples`. On a trainer step the fit
+reads the step record (`fit_step`): its layout and, for `value_head`, the policy
+hidden states the update already computed for this data-parallel rank's trees;
+each rank fits on its share and the gradients are summed over DP.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -72,7 +74,8 @@ class Predictor(ABC, nn.Module):
         return out
 
     def fit(self, packed: PackedTrees, samples: PredictorSamples, hidden: Optional[torch.Tensor] = None,
-            replay: Sequence[tuple[PackedTrees, PredictorSamples, Optional[torch.Tensor]]] = ()) -> dict:
+            replay: Sequence[tuple[PackedTrees, PredictorSamples, Optional[torch.Tensor]]] = (),
+            group: Optional[dist.ProcessGroup] = None) -> dict:
         """`cfg.updates_per_step` BCE steps on `samples` plus the older `replay` batches (oldest
         first; a batch k steps old weighs `cfg.replay_decay`**k); returns metrics.
 
@@ -81,51 +84,83 @@ class Predictor(ABC, nn.Module):
         against the constant predictor that is equally held-out: the previous
         fit's mean target. `predictor/skill` < 0 means the predictor is worse
         than that constant (the trainer's fallback guard); NaN on the first fit.
+
+        With `group` (data parallel) every rank passes its share of each batch (`samples.share`):
+        the predictions and targets are summed over the group into the whole list for the
+        calibration, and the gradients of the loss sums (each batch's divided by its whole
+        count) are summed over the group, so every rank takes the update one process would.
         """
-        if samples.node.numel() == 0:
+        if samples.num_total == 0:
             return {"predictor/samples": 0}
         before = self.predict(packed, samples.node, hidden)
+        # (3, S_total): predictions, targets, is-root of the whole list; each rank fills its rows.
+        whole = torch.zeros(3, samples.num_total, device=before.device)
+        whole[:, samples.positions.to(before.device)] = torch.stack(
+            [before.float(), samples.target.to(before.device), samples.is_root.to(before.device).float()])
+        if group is not None:
+            dist.all_reduce(whole, group=group)
+        before, target, is_root = whole[0].cpu(), whole[1].cpu(), whole[2].cpu()
         prior = float(self.prior_mean)
-        cal = calibration(before, samples.target, self.cfg.calibration_bins,
-                          constant=None if prior != prior else prior)
+        cal = calibration(before, target, self.cfg.calibration_bins, constant=None if prior != prior else prior)
         skill = cal.skill if prior == prior else float("nan")
-        self.prior_mean.fill_(float(samples.target.mean()))
-        loss = torch.zeros(())
+        self.prior_mean.fill_(float(target.mean()))
         # Newest first: batch k of the list is k steps old.
         batches = [(packed, samples, hidden, 1.0)]
         for age, (p, s, h) in enumerate(reversed(list(replay)), start=1):
-            if s.node.numel():
+            if s.num_total:
                 batches.append((p, s, h, self.cfg.replay_decay ** age))
-        total = sum(w for *_, w in batches)
+        norm = sum(w for *_, w in batches)
+        loss = torch.zeros(())
         for _ in range(self.cfg.updates_per_step):
-            loss = sum(w * F.binary_cross_entropy_with_logits(self.logits(p, s.node, h), s.target, weight=s.weight)
-                       for p, s, h, w in batches) / total
+            loss = torch.zeros((), device=before.device)
+            for p, s, h, w in batches:
+                if s.node.numel():  # a rank may hold none of a batch's samples
+                    bce = F.binary_cross_entropy_with_logits(self.logits(p, s.node, h), s.target.to(loss.device),
+                                                             weight=s.weight.to(loss.device), reduction="sum")
+                    loss = loss + (w / norm) * bce / s.num_total
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if loss.requires_grad:
+                loss.backward()
+            loss = self._sum_grads(loss.detach(), group)
             self.optimizer.step()
         return {
-            "predictor/loss": float(loss.detach()),
+            "predictor/loss": float(loss),
             "predictor/brier": cal.brier,
             "predictor/brier_constant": cal.brier_constant,
             "predictor/skill": skill,
             "predictor/ece": cal.ece,
-            "predictor/samples": samples.node.numel(),
-            "predictor/prefix_fraction": samples.prefix_fraction,
+            "predictor/samples": samples.num_total,
+            "predictor/prefix_fraction": float(1.0 - is_root.mean()),
             "_calibration": cal,
         }
 
-    def score(self, batch: "StepBatch", nodes: torch.Tensor) -> torch.Tensor:
-        """(S,) float64 predicted success of `nodes` of the step's layout (on the predictions'
-        device: the allocation solvers run there)."""
-        return self.predict(batch.packed, nodes, self._step_hidden(batch)).double()
+    def _sum_grads(self, loss: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """Sum the gradients (None: zero) and `loss` over `group` in one collective; returns the loss."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if group is None:
+            return loss
+        flat = torch.cat([p.grad.flatten() for p in params] + [loss.view(1).to(params[0].device)])
+        dist.all_reduce(flat, group=group)
+        for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+        return flat[-1]
 
-    def fit_step(self, batch: "StepBatch") -> dict:
-        """`fit` on the step's final trees plus the replay window of the previous steps' batches."""
+    def fit_step(self, batch: "StepBatch", group: Optional[dist.ProcessGroup] = None) -> dict:
+        """`fit` on the step's final trees plus the replay window of the previous steps' batches.
+
+        Each data-parallel rank (`group`) fits on its share of the trees, `batch.hidden_trees` (the
+        trees of its update, whose hidden states it holds); the window keeps only that share."""
         samples = predictor_samples(batch.packed, self.cfg.prefix_sample_fraction)
-        hidden = self._step_hidden(batch)
-        out = self.fit(batch.packed, samples, hidden, replay=list(self.replay))
+        packed, hidden = batch.packed, self._step_hidden(batch)
+        if batch.hidden_trees is not None and len(batch.hidden_trees) < packed.num_trees:
+            samples = samples.share(packed, batch.hidden_trees)
+            packed = packed.select(batch.hidden_trees)
+        out = self.fit(packed, samples, hidden, replay=list(self.replay), group=group)
         if self.replay.maxlen:
-            self.replay.append((batch.packed, samples, hidden))
+            self.replay.append((packed, samples, hidden))
         return out
 
     def _step_hidden(self, batch: "StepBatch") -> Optional[torch.Tensor]:
@@ -133,7 +168,7 @@ class Predictor(ABC, nn.Module):
             return None
         if batch.hidden is None:
             raise ValueError(f"{type(self).__name__} reads the policy's hidden states of the step's layout: "
-                             "run Learner.encode (or Learner.train_step) on the step first")
+                             "run Learner.train_step on the step first")
         return batch.hidden
 
     def build_optimizer(self) -> None:

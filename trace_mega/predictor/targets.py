@@ -9,7 +9,7 @@ configured prefix fraction.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -24,6 +24,26 @@ class PredictorSamples:
     target: torch.Tensor  # (S,) fp32 soft targets in [0, 1]
     weight: torch.Tensor  # (S,) fp32 sample weights (sum = S)
     is_root: torch.Tensor  # (S,) bool
+    index: Optional[torch.Tensor] = None
+    """(S,) int64 positions of these samples in the step's whole sample list when they are one
+    data-parallel rank's share of it (`share`); None: they are the whole list."""
+    total: Optional[int] = None
+    """Samples in the whole list (all ranks' shares); None: S."""
+
+    @property
+    def num_total(self) -> int:
+        return self.node.numel() if self.total is None else self.total
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(S,) positions in the whole sample list."""
+        return torch.arange(self.node.numel()) if self.index is None else self.index
+
+    def share(self, packed: PackedTrees, trees: Sequence[int]) -> "PredictorSamples":
+        """The samples on trees `trees` of `packed`, with node ids in `packed.select(trees)`."""
+        idx, local = packed.nodes_in(trees, self.node)
+        return PredictorSamples(node=local, target=self.target[idx], weight=self.weight[idx],
+                                is_root=self.is_root[idx], index=self.positions[idx], total=self.num_total)
 
     @property
     def prefix_fraction(self) -> float:

@@ -355,6 +355,21 @@ class PackedTrees:
             token_weight=None if self.token_weight is None else self.token_weight[toks],
         )
 
+    def nodes_in(self, trees: Sequence[int], nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of `nodes` (global ids) lie in trees `trees`, and their ids in `select(trees)`:
+        (idx) positions in `nodes` and (idx,) the same nodes' ids in the sub-layout (a tree
+        keeps its internal node numbering there; only its offset changes)."""
+        trees = torch.tensor(list(trees), dtype=torch.long)
+        pos = torch.full((self.num_trees,), -1, dtype=torch.long)  # tree -> its index in `trees`
+        pos[trees] = torch.arange(trees.numel())
+        nodes = nodes.cpu()
+        tree = self.node_tree[nodes]
+        idx = torch.nonzero(pos[tree] >= 0).flatten()
+        sizes = (self.tree_node_offset[1:] - self.tree_node_offset[:-1])[trees]
+        new_off = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        t = tree[idx]
+        return idx, nodes[idx] - self.tree_node_offset[t] + new_off[pos[t]]
+
     def node_last_token(self) -> torch.Tensor:
         """(N,) stream index of the last token on the path through each node (the prefix boundary H_t).
 

@@ -67,6 +67,11 @@ class Trainer:
         self.is_main = g.rank == 0
         self.dp_group = g.pgs.dp if g.dp_size > 1 else None  # the predictor's fit sums gradients over it
         layout = ReplicaLayout.from_groups(g, cfg.rollout.tensor_parallel_size)
+        if cfg.rollout.engine == "vllm" and g.pp_size > 1 and layout.num_replicas > 1:
+            # megatron orders PP outermost, so a replica's ranks are not consecutive; vLLM's
+            # external launcher groups consecutive ranks into its tensor-parallel group.
+            raise ValueError("rollout.engine vllm with parallel.pipeline_model_parallel_size > 1 runs one replica "
+                             f"only (here {layout.num_replicas}): use PP = 1 with DP replicas, or the torch engine")
         engine = build_engine(EngineSetup(
             rollout=cfg.rollout, seed=cfg.seed,
             dtype=cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype, eos_token_ids=[self.tokenizer.eos_token_id],

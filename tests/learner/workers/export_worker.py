@@ -31,7 +31,7 @@ def main() -> None:
     tree.add_path(mid, [turn(3)], reward=0.0)
     tree.add_path(0, [turn(6)], reward=1.0)
     packed = pack([tree])
-    lp = learner.token_logprobs(packed)
+    lp = learner.old_logprobs(packed)
     if learner.groups.rank == 0:
         torch.save({"tokens": packed.tokens, "loss_mask": packed.loss_mask, "logprobs": lp,
                     "paths": [packed.path_token_indices(int(n)) for n in packed.leaf_nodes]}, out)

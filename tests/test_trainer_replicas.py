@@ -56,8 +56,14 @@ def assert_same_run(one: list[dict], two: list[dict], replicas: int) -> None:
                 ok = abs(b[k] - v) < 1e-6
             elif k.startswith("loss/"):
                 ok = _close(v, b[k], 1e-5, 1e-9)
-            elif k.startswith(("predictor/", "credit/")):
+            elif k.startswith("credit/"):
                 ok = _close(v, b[k], 1e-4, 1e-7)
+            elif k.startswith("predictor/"):
+                # Each DP rank fits on its share and the gradients are summed, so the sums run in
+                # another order; under the anchor (`anchor_at_mean`) the bias's first gradient is 0
+                # up to that rounding (~1e-9) and Adam turns it into a step of ~0.1 lr either way.
+                # The split itself is exact (tests/predictor: shares == one process to 1e-5).
+                ok = _close(v, b[k], 0.1, 1e-3)
             else:
                 continue
             if not ok:

@@ -26,10 +26,11 @@ rendering and parsing path.
   have it (most groups all-0 or all-1 under uniform sampling, paper Fig. 2a)
   comes from ``slip_in_prompt="level"`` with several `slips`: the prompt states
   the ice level (``ice 6``: each move fails 60% of the time), so a task near
-  ``ice 9`` is nearly hopeless within a few turns, and from ``min_distance=0``
-  (goal = start: answer at once, trivial once learned). The prompt carries the
-  task's description, never its success probability (which also depends on
-  the policy).
+  ``ice 9`` is nearly hopeless within a few turns; ``min_distance=0`` adds
+  goal = start tasks (answer at once: trivial, but a from-scratch policy can
+  settle on always answering at once, docs/allocation.md). The prompt carries
+  the task's description, never its success probability (which also depends
+  on the policy).
 
 Each episode's randomness comes from a per-state RNG (for ``synthetic``, the
 undrawn digits of U are a uniform ``tail`` drawn with it); `fork` replaces

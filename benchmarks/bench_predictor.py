@@ -46,6 +46,7 @@ VARIANTS: dict[str, list[str]] = {
     "zero-init head (old)": OLD,
     "+ anchor at mean": [*OLD, *ANCHOR],
     "+ replay 4 (decay 0.7)": [*OLD, *ANCHOR, *REPLAY],
+    "+ replay 4 + lr 3e-3 (demo default)": [*OLD, *ANCHOR, *REPLAY, "predictor.lr=3e-3"],
     "+ weight decay 0.1 + lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.weight_decay=0.1", "predictor.lr=1e-2"],
     "+ replay 8 (decay 0.8)": [*OLD, *ANCHOR, "predictor.replay_steps=8", "predictor.replay_decay=0.8"],
     "+ replay 4 + 16 updates at lr 1e-2": [*OLD, *ANCHOR, *REPLAY, "predictor.lr=1e-2",

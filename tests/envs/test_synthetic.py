@@ -1,5 +1,6 @@
 """Synthetic environments: known success probabilities, exact prefix values, the tiny tokenizer."""
 import itertools
+import statistics
 import random
 
 import pytest
@@ -156,3 +157,55 @@ def test_reseed_replays_episode_randomness():
     assert draws(a) == draws(b)  # the same per-step seed replays the same episodes
     a.reseed(8)
     assert len({tuple(draws(a)) for _ in range(3)} | {tuple(draws(b))}) > 1
+
+
+def _greedy_success(env, task, max_turns, episodes, rng_seed=0):
+    """Monte Carlo success of the policy that moves towards the goal and answers once on it."""
+    env.reseed(rng_seed)
+    wins = 0
+    for _ in range(episodes):
+        s = env.reset(task)
+        for _ in range(max_turns):
+            if s.data["pos"] == task.meta["goal"]:
+                wins += env.reward(s, "done")
+                break
+            env.step(s, RIGHT if task.meta["goal"] > s.data["pos"] else LEFT)
+    return wins / episodes
+
+
+def test_slip_levels_are_stated_in_the_prompt_and_spread_difficulty():
+    env = SyntheticToolsEnv(width=5, max_distance=2, slips=[0.0, 0.3, 0.9], slip_in_prompt="level", seed=0)
+    by_slip = {}
+    for t in env.tasks():
+        by_slip.setdefault(t.meta["slip"], []).append(t)
+        words = t.messages[1]["content"]
+        assert words == f"start {t.meta['start']} goal {t.meta['goal']}" + (
+            f" ice {round(10 * t.meta['slip'])}" if t.meta["slip"] > 0 else "")
+    assert sorted(by_slip) == [0.0, 0.3, 0.9] and {len(v) for v in by_slip.values()} == {14}
+    # the default rendering is unchanged: a bare "ice" flag whatever the level
+    assert {t.messages[1]["content"].split(" ice")[-1] for t in SyntheticToolsEnv(slips=[0.3, 0.9]).tasks()} == {""}
+    # the level is a real difficulty: under one fixed (greedy) policy, dry prompts always succeed
+    # and "ice 9" two cells away almost never does in 6 turns (P = 1 - 0.9^5 - 5 * 0.1 * 0.9^4 = 0.081)
+    far = [t for t in by_slip[0.9] if abs(t.meta["goal"] - t.meta["start"]) == 2]
+    assert all(_greedy_success(env, t, 6, 50) == 1.0 for t in by_slip[0.0])
+    assert statistics.fmean(_greedy_success(env, t, 6, 400, i) for i, t in enumerate(far)) == pytest.approx(0.081, abs=0.03)
+    # and for the uniformly random policy the level orders the success rate of every (start, goal)
+    rate = {t.task_id: env.uniform_action_success(t, 6) for t in env.tasks()}
+    for t in by_slip[0.0]:
+        s, g = t.meta["start"], t.meta["goal"]
+        assert rate[f"walk-{s}-{g}-0"] > rate[f"walk-{s}-{g}-0.3"] > rate[f"walk-{s}-{g}-0.9"]
+
+
+def test_min_distance_and_slip_in_prompt_are_validated():
+    env = SyntheticToolsEnv(width=4, min_distance=0, max_distance=1, slips=[0.0])
+    assert sum(t.meta["start"] == t.meta["goal"] for t in env.tasks()) == 4 and len(env.tasks()) == 4 + 2 * 3
+    with pytest.raises(ValueError, match="slip_in_prompt must be one of flag, level"):
+        SyntheticToolsEnv(slip_in_prompt="percent")
+    with pytest.raises(ValueError, match="tenths"):
+        SyntheticToolsEnv(slips=[0.25], slip_in_prompt="level")
+    with pytest.raises(ValueError, match="min_distance"):
+        SyntheticToolsEnv(min_distance=3, max_distance=2)
+    from trace_mega.config import EnvConfig  # typed options: unknown keys are errors
+    EnvConfig(options={"slips": [0.0, 0.9], "slip_in_prompt": "level", "min_distance": 1}).validate()
+    with pytest.raises(ValueError, match="slip_level"):
+        EnvConfig(options={"slip_level": True}).validate()

@@ -22,7 +22,15 @@ rendering and parsing path.
   by the edge). A tiny GPT trained from scratch can learn it (compare two
   numbers, emit one of three action tokens); a uniformly random action policy
   succeeds at a low, distance-dependent rate (`uniform_action_success`), so
-  prompt success rates spread over (0, 1).
+  prompt success rates spread over (0, 1). Difficulty the way real prompt sets
+  have it (most groups all-0 or all-1 under uniform sampling, paper Fig. 2a)
+  comes from ``slip_in_prompt="level"`` with several `slips`: the prompt states
+  the ice level (``ice 6``: each move fails 60% of the time), so a task near
+  ``ice 9`` is nearly hopeless within a few turns; ``min_distance=0`` adds
+  goal = start tasks (answer at once: trivial, but a from-scratch policy can
+  settle on always answering at once, docs/allocation.md). The prompt carries
+  the task's description, never its success probability (which also depends
+  on the policy).
 
 Each episode's randomness comes from a per-state RNG (for ``synthetic``, the
 undrawn digits of U are a uniform ``tail`` drawn with it); `fork` replaces
@@ -179,12 +187,24 @@ class SyntheticToolsEnv(_SeededEnv):
 
     name = "synthetic_tools"
 
+    SLIP_IN_PROMPT = ("flag", "level")
+
     def __init__(self, width: int = 7, max_distance: int = 4, slips: tuple[float, ...] | list[float] = (0.0, 0.25),
-                 seed: int = 0) -> None:
-        if not 2 <= width <= 10 or not 1 <= max_distance < width:
-            raise ValueError(f"synthetic_tools: need 2 <= width <= 10 and 1 <= max_distance < width (got {width}, {max_distance})")
+                 min_distance: int = 1, slip_in_prompt: str = "flag", seed: int = 0) -> None:
+        """`slips`: one copy of the task set per slip probability; `min_distance` .. `max_distance`:
+        cells between start and goal (0: start on the goal); `slip_in_prompt`: ``flag`` appends
+        ``ice`` to slippery prompts, ``level`` appends ``ice N`` with N = 10 * slip (slips must then
+        be multiples of 0.1, so the text states the level exactly)."""
+        if not 2 <= width <= 10 or not 0 <= min_distance <= max_distance < width or max_distance < 1:
+            raise ValueError(f"synthetic_tools: need 2 <= width <= 10 and 0 <= min_distance <= max_distance < width, "
+                             f"max_distance >= 1 (got {width}, {min_distance}, {max_distance})")
         if any(not 0.0 <= s < 1.0 for s in slips) or not slips:
             raise ValueError(f"synthetic_tools: slips must be non-empty and in [0, 1), got {list(slips)}")
+        if slip_in_prompt not in self.SLIP_IN_PROMPT:
+            raise ValueError(f"synthetic_tools: slip_in_prompt must be one of {', '.join(self.SLIP_IN_PROMPT)}, "
+                             f"got {slip_in_prompt!r}")
+        if slip_in_prompt == "level" and any(abs(10 * s - round(10 * s)) > 1e-9 for s in slips):
+            raise ValueError(f"synthetic_tools: slip_in_prompt=level states slips in tenths; got {list(slips)}")
         super().__init__(seed)
         self.width = width
         self.tools = [{
@@ -197,14 +217,20 @@ class SyntheticToolsEnv(_SeededEnv):
         for slip in slips:
             for start in range(width):
                 for goal in range(width):
-                    if 1 <= abs(goal - start) <= max_distance:
-                        words = f"start {start} goal {goal}" + (" ice" if slip > 0 else "")
+                    if min_distance <= abs(goal - start) <= max_distance:
+                        words = f"start {start} goal {goal}" + self._ice_words(slip, slip_in_prompt)
                         self._tasks.append(Task(
                             task_id=f"walk-{start}-{goal}-{slip:g}",
                             messages=[{"role": "system", "content": "walk"}, {"role": "user", "content": words}],
                             tools=self.tools, gold_answer="done",
                             meta={"start": start, "goal": goal, "slip": float(slip)},
                         ))
+
+    @staticmethod
+    def _ice_words(slip: float, slip_in_prompt: str) -> str:
+        if slip <= 0:
+            return ""
+        return " ice" if slip_in_prompt == "flag" else f" ice {round(10 * slip)}"
 
     def tasks(self, split: str = "train") -> list[Task]:
         return list(self._tasks)

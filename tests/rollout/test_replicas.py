@@ -1,6 +1,7 @@
 """Rollout replicas: the prompt assignment, replica-independent episodes, the tree exchange under
 gloo (two processes), a replica without prompts, and a failure on one replica raised on every rank."""
 import os
+import time
 import traceback
 
 import pytest
@@ -130,6 +131,53 @@ def test_two_replicas_share_trees_and_a_failure_fails_every_rank():
     failed = _spawn(counts, fail_rank=1)
     for r in (0, 1):
         assert "rank 1 (replica 1): RuntimeError: engine fell over" in failed[r].get("error", ""), failed
+
+
+class _HangingEngine(ScriptedEngine):
+    def generate(self, prefixes, sampling):
+        time.sleep(60)  # far past the collective timeout: the peer must not wait for it
+        return super().generate(prefixes, sampling)
+
+
+def _hang_worker(rank: int, port: int, out: dict) -> None:
+    """The trainer's process-group set-up (`init_parallel`, `parallel.collective_timeout_s` 5 s);
+    rank 1's engine hangs inside the roll-out, rank 0 reaches the trees' gather without it."""
+    from trace_mega.config import ParallelConfig
+    from trace_mega.learner.parallel import destroy_parallel, init_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    init_parallel(ParallelConfig(device="cpu", collective_timeout_s=5.0), seed=0)
+    env = SyntheticToolsEnv(seed=5)
+    engine = (_HangingEngine if rank == 1 else ScriptedEngine)(walker(env.tokenizer))
+    col = RolloutCollector(env, engine, env.tokenizer, CFG, tool_timeout_s=5.0, layout=ReplicaLayout.from_world())
+    tasks = env.tasks()[:2]
+    batch = StepBatch.from_prompts(0, tasks, col.prompt_ids(tasks))
+    batch.rollouts = torch.tensor([2, 2])
+    col.begin_step(0)
+    start = time.monotonic()
+    try:
+        col.roll_out(batch, seed=3)
+        out[rank] = "returned"
+    except Exception as exc:  # noqa: BLE001
+        out[rank] = f"{type(exc).__name__} after {time.monotonic() - start:.0f} s: {exc}"
+    if rank == 0:
+        os._exit(0)  # the hung peer never joins a clean shutdown
+    destroy_parallel()
+
+
+@pytest.mark.slow
+def test_a_hung_replica_fails_its_peers_gather_within_the_collective_timeout():
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ctx = mp.start_processes(_hang_worker, args=(free_port(), out), nprocs=2, start_method="spawn", join=False)
+        ctx.processes[0].join(120)
+        res = dict(out)
+        for p in ctx.processes:
+            p.kill()
+    assert 0 in res and res[0] != "returned", res
+    assert "timed out" in res[0].lower() or "timeout" in res[0].lower(), res[0]
 
 
 def test_layout_from_the_learner_groups():

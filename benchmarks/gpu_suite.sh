@@ -55,29 +55,11 @@ fi
 echo "gpu_suite: python=$PY out=$OUT_DIR budget=${BUDGET}s dry_run=$DRY"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
 
-# trace_mega.kernels is kernels/ via package_dir: needs an install (editable is enough).
+# The package (kernels included) imports from the checkout itself; no install needed.
 if ! "$PY" -c "import trace_mega.kernels.token_logprobs" >/dev/null 2>&1; then
-  echo "gpu_suite: installing the repo (pip install -e . --no-deps) so trace_mega.kernels imports"
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >"$OUT_DIR/pip_install.log" 2>&1 \
-    || echo "gpu_suite: pip install failed (see pip_install.log)"
-fi
-if ! "$PY" -c "import trace_mega.kernels.token_logprobs" >/dev/null 2>&1; then
-  # last resort, repo untouched: a shim package whose __path__ is the real trace_mega/
-  # plus a directory holding a `kernels` symlink to kernels/
-  SHIM=$(mktemp -d)
-  trap 'rm -rf "$SHIM"' EXIT
-  mkdir -p "$SHIM/trace_mega"
-  ln -s "$ROOT/kernels" "$SHIM/trace_mega/kernels"
-  cat > "$SHIM/trace_mega/__init__.py" <<SHIMEOF
-import os as _os
-__path__ = [r"$ROOT/trace_mega", _os.path.dirname(_os.path.abspath(__file__))]
-__file__ = r"$ROOT/trace_mega/__init__.py"
-exec(compile(open(__file__).read(), __file__, "exec"))
-SHIMEOF
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -c "import trace_mega.kernels.token_logprobs" >/dev/null 2>&1 \
-    && echo "gpu_suite: using an import shim for trace_mega.kernels ($SHIM)" \
-    || echo "gpu_suite: trace_mega.kernels still does not import; steps will fail"
+    || echo "gpu_suite: trace_mega.kernels does not import from $ROOT; steps will fail"
 fi
 
 remaining() { echo $(( BUDGET - ($(date +%s) - START) )); }

@@ -2,8 +2,7 @@
 
 The repository keeps them at the top level (`configs/*.yaml`,
 `benchmarks/bench_*.py`); setup.py installs them as the subpackages
-`trace_mega.configs` and `trace_mega.benchmarks` (as it installs `kernels/` as
-`trace_mega.kernels`), so a wheel install finds them without the checkout and
+`trace_mega.configs` and `trace_mega.benchmarks`, so a wheel install finds them without the checkout and
 an editable install maps them back to the top-level directories.
 
 An editable install made before these two mappings existed cannot import the

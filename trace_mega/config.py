@@ -508,13 +508,21 @@ class PretrainConfig:
     """Optimiser steps."""
     episodes_per_step: int = 32
     """Transcripts (one episode each, a fresh hidden store) per optimiser step."""
+    micro_batch_episodes: Optional[int] = None
+    """Transcripts packed into one micro-batch (its tree mask is quadratic in the micro-batch's tokens); None: all
+    of a step's in one."""
     num_stores: int = 4096
     """Distinct generated tasks the transcripts cycle through (from a seed stream other than the environment's
     own train / test tasks)."""
     answer_prob: float = 0.3
-    """Per turn, probability that the transcript policy answers now (else it looks a key up)."""
+    """Per turn, probability that the transcript policy answers now (synthetic_search: else it looks a key up;
+    synthetic_tools: on a turn off the goal that does not take the right action, else it moves away)."""
     mentioned_key_prob: float = 0.5
-    """Probability that a lookup picks a key already mentioned in the context (else any key, uniformly)."""
+    """synthetic_search: probability that a lookup picks a key already mentioned in the context (else any key,
+    uniformly)."""
+    correct_action_prob: float = 0.7
+    """synthetic_tools: per turn, probability that the walker takes the right action (on the goal: answer; off it:
+    a move towards the goal)."""
     max_turns: int = 6
     """Most turns per transcript; the last allowed turn always answers."""
     loss_on_observations: bool = True
@@ -535,7 +543,10 @@ class PretrainConfig:
         require(self.steps >= 1, "steps", "must be >= 1")
         require(self.episodes_per_step >= 1, "episodes_per_step", "must be >= 1")
         require(self.num_stores >= 1, "num_stores", "must be >= 1")
+        require(self.micro_batch_episodes is None or self.micro_batch_episodes >= 1, "micro_batch_episodes",
+                "must be >= 1 or null")
         require(0.0 < self.answer_prob <= 1.0, "answer_prob", "must be in (0, 1]")
         require(0.0 <= self.mentioned_key_prob <= 1.0, "mentioned_key_prob", "must be in [0, 1]")
+        require(0.0 <= self.correct_action_prob <= 1.0, "correct_action_prob", "must be in [0, 1]")
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
         require(self.model.hf_checkpoint is None, "model.hf_checkpoint", "the warm start trains from scratch")

@@ -19,6 +19,15 @@ ends in a value), else a uniformly random digit. So the transcripts teach the
 format, reading (copy the value a resolved chain ends in) and nothing about
 the optimal search (lookups are random, answers come at random times).
 
+For ``synthetic_tools`` (`WalkTranscriptEngine`, the allocation demo's warm
+start): a partly competent walker. Each turn it takes the right action with
+probability `correct_action_prob` (on the goal it answers, off the goal it
+moves towards it), else on the goal a random move, off the goal an early
+answer with probability `answer_prob` or a move away. It reads its cell from
+the last observation and ignores the ice level, so the warm policy starts
+where RL of a real LLM starts (paper Fig. 2a): dry tasks solved most of the
+time, the iciest nearly never, the level visible only in the prompt.
+
 The loss is the mean next-token negative log-likelihood of the transcripts —
 every token with `loss_on_observations` (the default: a repeated lookup shows
 a fact again, so predicting observations teaches copying from the context), or
@@ -46,16 +55,17 @@ import torch
 
 from trace_mega.config import PretrainConfig, TrainConfig, to_dict
 from trace_mega.envs import build_env
-from trace_mega.envs.synthetic_search import (ANSWER_CLOSE, ANSWER_OPEN, DIGITS, KEYS, SyntheticSearchEnv,
-                                              lookup_token)
+from trace_mega.envs.synthetic import ANSWER_DONE, MOVE_LEFT, MOVE_RIGHT
+from trace_mega.envs.synthetic_search import ANSWER_CLOSE, ANSWER_OPEN, DIGITS, KEYS, lookup_token
 from trace_mega.registry import Registry
 from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
 
-__all__ = ["TRANSCRIPT_POLICIES", "SearchTranscriptEngine", "config_hash", "pretrain", "resolve_in_context"]
+__all__ = ["TRANSCRIPT_POLICIES", "SearchTranscriptEngine", "WalkTranscriptEngine", "config_hash", "pretrain",
+           "resolve_in_context"]
 
 log = logging.getLogger("trace_mega")
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bumped when the transcript format or the training recipe changes (part of the cache key)."""
 
 TRANSCRIPT_POLICIES: Registry[type[Engine]] = Registry("transcript policy")
@@ -82,13 +92,41 @@ def resolve_in_context(words: list[str], target: str) -> Optional[str]:
     return None
 
 
-@TRANSCRIPT_POLICIES.register("synthetic_search")
-class SearchTranscriptEngine(Engine):
-    """The transcript policy of ``synthetic_search`` as an `Engine` (module docstring); reads only the prefix."""
+class _TranscriptEngine(Engine):
+    """A fixed transcript policy as an `Engine`: one turn from the decoded prefix, seeded by the request."""
 
     def __init__(self, tokenizer: Any, cfg: PretrainConfig) -> None:
         super().__init__()
         self.tok, self.cfg = tokenizer, cfg
+
+    @staticmethod
+    def env_options(cfg: PretrainConfig) -> dict[str, Any]:
+        """Options of the environment the transcripts are generated in (another seed stream than RL's)."""
+        return {**cfg.env.options, "seed": 10_007 + cfg.seed}
+
+    def _turn(self, prefix: list[int], rng: random.Random) -> list[int]:
+        raise NotImplementedError
+
+    def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        out = []
+        for i, prefix in enumerate(prefixes):
+            # Seeded by the request's seed and its prefix: the same episode, the same transcript.
+            digest = hashlib.sha256(repr((sampling.request_seed(i), prefix)).encode()).digest()
+            ids = self._turn(prefix, random.Random(int.from_bytes(digest[:8], "little")))
+            out.append(Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop"))
+        return out
+
+    def update_weights(self, named_tensors) -> None:
+        for _ in named_tensors:  # a fixed policy: nothing to load
+            pass
+
+
+@TRANSCRIPT_POLICIES.register("synthetic_search")
+class SearchTranscriptEngine(_TranscriptEngine):
+    """The transcript policy of ``synthetic_search`` (module docstring); reads only the prefix."""
+
+    def __init__(self, tokenizer: Any, cfg: PretrainConfig) -> None:
+        super().__init__(tokenizer, cfg)
         self.lookup_ids = {k: tokenizer.convert_tokens_to_ids(lookup_token(k)) for k in KEYS}
         self.answer_ids = [tokenizer.convert_tokens_to_ids(t) for t in (ANSWER_OPEN, ANSWER_CLOSE)]
         self.digit_ids = {d: tokenizer.convert_tokens_to_ids(d) for d in DIGITS}
@@ -105,18 +143,37 @@ class SearchTranscriptEngine(Engine):
         pool = mentioned if mentioned and rng.random() < self.cfg.mentioned_key_prob else KEYS
         return [self.lookup_ids[rng.choice(pool)]]
 
-    def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        out = []
-        for i, prefix in enumerate(prefixes):
-            # Seeded by the request's seed and its prefix: the same episode, the same transcript.
-            digest = hashlib.sha256(repr((sampling.request_seed(i), prefix)).encode()).digest()
-            ids = self._turn(prefix, random.Random(int.from_bytes(digest[:8], "little")))
-            out.append(Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop"))
-        return out
+    @staticmethod
+    def env_options(cfg: PretrainConfig) -> dict[str, Any]:
+        # Fresh stores, none of them an RL task: transcripts teach reading, not the answers.
+        return {**cfg.env.options, "num_tasks": cfg.num_stores, "num_test_tasks": 0, "seed": 10_007 + cfg.seed}
 
-    def update_weights(self, named_tensors) -> None:
-        for _ in named_tensors:  # a fixed policy: nothing to load
-            pass
+
+@TRANSCRIPT_POLICIES.register("synthetic_tools")
+class WalkTranscriptEngine(_TranscriptEngine):
+    """The partly competent walker of ``synthetic_tools`` (module docstring); reads only the prefix."""
+
+    def __init__(self, tokenizer: Any, cfg: PretrainConfig) -> None:
+        super().__init__(tokenizer, cfg)
+        self.ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (MOVE_LEFT, MOVE_RIGHT, ANSWER_DONE)}
+
+    def _turn(self, prefix: list[int], rng: random.Random) -> list[int]:
+        words = self.tok.decode(prefix, skip_special_tokens=True).split()
+        goal = int(words[words.index("goal") + 1])
+        # The cell: the last observation's `at X`, else the start.
+        at = [i for i, w in enumerate(words) if w == "at"]
+        cell = int(words[at[-1] + 1]) if at else int(words[words.index("start") + 1])
+        towards = MOVE_RIGHT if goal > cell else MOVE_LEFT
+        away = MOVE_LEFT if towards == MOVE_RIGHT else MOVE_RIGHT
+        if words.count("<tool_response>") + 1 >= self.cfg.max_turns:
+            action = ANSWER_DONE  # the last allowed turn answers
+        elif rng.random() < self.cfg.correct_action_prob:
+            action = ANSWER_DONE if cell == goal else towards
+        elif cell == goal:
+            action = rng.choice((MOVE_LEFT, MOVE_RIGHT))
+        else:
+            action = ANSWER_DONE if rng.random() < self.cfg.answer_prob else away
+        return [self.ids[action]]
 
 
 def config_hash(cfg: PretrainConfig) -> str:
@@ -178,15 +235,13 @@ def pretrain(cfg: PretrainConfig, *, force: bool = False) -> Path:
     from trace_mega.rollout.tree import pack
 
     t0 = time.perf_counter()
-    options = {**cfg.env.options, "num_tasks": cfg.num_stores, "num_test_tasks": 0, "seed": 10_007 + cfg.seed}
-    env = build_env(cfg.env.name, **options)  # stores from another seed stream than the RL env's tasks
-    if not isinstance(env, SyntheticSearchEnv):
-        raise ValueError(f"pretrain: {cfg.env.name!r} is not a synthetic_search environment")
+    policy = TRANSCRIPT_POLICIES.get(cfg.env.name)
+    env = build_env(cfg.env.name, **policy.env_options(cfg))
     tok = env.tokenizer
     tasks = env.tasks("train")
     learner = Learner(_train_config(cfg, len(tok)))
     rollout_cfg = RolloutConfig(max_turns=cfg.max_turns, max_new_tokens_per_turn=3, max_total_tokens=4096)
-    loop = AgentLoop(env, TRANSCRIPT_POLICIES.get(cfg.env.name)(tok, cfg), tok, rollout_cfg)
+    loop = AgentLoop(env, policy(tok, cfg), tok, rollout_cfg)
     order = random.Random(cfg.seed).sample(range(len(tasks)), len(tasks))
     losses = []
     try:
@@ -194,12 +249,15 @@ def pretrain(cfg: PretrainConfig, *, force: bool = False) -> Path:
             batch = [tasks[order[(step * cfg.episodes_per_step + j) % len(tasks)]] for j in range(cfg.episodes_per_step)]
             trees = loop.rollout(batch, [1] * len(batch), seed=cfg.seed * 1_000_003 + step)
             AgentLoop.release(trees)
-            packed = pack(trees)
-            if cfg.loss_on_observations:  # every token but a sequence's first is a next-token target
-                packed.loss_mask = packed.prev_index >= 0
-            ids, pos, mask = _inputs(packed, learner.groups.device, learner.groups.tp_size)
-            metrics = train_step(learner.chunks, learner.optimizer, learner.scheduler,
-                                 [{"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": packed}],
+            per = cfg.micro_batch_episodes or len(trees)
+            micro = []
+            for i in range(0, len(trees), per):  # the tree mask is quadratic in a micro-batch's tokens
+                packed = pack(trees[i:i + per])
+                if cfg.loss_on_observations:  # every token but a sequence's first is a next-token target
+                    packed.loss_mask = packed.prev_index >= 0
+                ids, pos, mask = _inputs(packed, learner.groups.device, learner.groups.tp_size)
+                micro.append({"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": packed})
+            metrics = train_step(learner.chunks, learner.optimizer, learner.scheduler, micro,
                                  _lm_loss(learner), learner.groups, output="hidden")
             losses.append(metrics["loss"])
             if step % 50 == 0 or step == cfg.steps - 1:

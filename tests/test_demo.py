@@ -26,7 +26,7 @@ def _run(args, timeout=400):
 def test_demo_writes_the_three_arm_report_over_seeds(tmp_path):
     from trace_mega.demo import REPORT_KEYS
 
-    proc = _run(["demo", "--out", str(tmp_path), "--seeds", "2", *SHORT])
+    proc = _run(["demo", "--out", str(tmp_path), "--seeds", "2", "--from-scratch", *SHORT])
     report = (tmp_path / "report.md").read_text()
     for method in ("uniform", "treepo", "trace"):
         assert f"| {method} |" in report and f"| {method} seed 1 |" in report
@@ -38,6 +38,22 @@ def test_demo_writes_the_three_arm_report_over_seeds(tmp_path):
     assert table["uniform"]["predictor_fallback_frac"] == 0.0 and table["trace"]["trajectories_per_step"] == 24
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert "report:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_starts_every_arm_from_the_cached_warm_start(tmp_path):
+    import yaml
+
+    pre = yaml.safe_load((ROOT / "configs" / "pretrain_tools.yaml").read_text())
+    pre |= {"steps": 2, "episodes_per_step": 4, "micro_batch_episodes": None, "cache_dir": str(tmp_path / "cache")}
+    (tmp_path / "pre.yaml").write_text(yaml.safe_dump(pre))
+    _run(["demo", "--out", str(tmp_path / "demo"), "--pretrain-config", str(tmp_path / "pre.yaml"),
+          "steps=1", *SHORT[1:]])
+    (ckpt,) = (tmp_path / "cache").iterdir()  # one checkpoint, trained once for the three arms
+    assert (ckpt / "config.json").exists()
+    for method in ("uniform", "treepo", "trace"):
+        run = yaml.safe_load((tmp_path / "demo" / method / "seed0" / "config.yaml").read_text())
+        assert run["model"]["hf_checkpoint"] == str(ckpt)
 
 
 @pytest.mark.slow

@@ -2,10 +2,11 @@
 
 * `demo`  — the embedded default: a tiny GPT policy on a learnable synthetic
   environment, on CPU, `uniform` GRPO vs `treepo` vs `trace` at equal rollout budget, with
-  a Markdown + PNG report.
+  a Markdown + PNG report; every arm starts from the cached warm start of `pretrain_tools`
+  (`--from-scratch`: a random init).
 * `demo credit` — TRACE-C on `synthetic_search` from the cached warm start:
   grpo, grpo+credit, tree, tree+credit at equal budget, 3 seeds, a report.
-* `pretrain [--config FILE] [key=value ...]` — the cached warm start (an HF
+* `pretrain [--config NAME|FILE] [key=value ...]` — the cached warm start (an HF
   checkpoint directory, printed) that `model.hf_checkpoint` can name.
 * `train --config NAME|FILE [key=value ...]` — one training run (under torchrun for
   TP/PP/EP/DP: `torchrun --nproc-per-node 2 -m trace_mega.cli train ...`).
@@ -92,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="output directory of the report")
     p.add_argument("--seeds", type=int, default=1, help="seeds per method, run one after the other (default 1)")
     p.add_argument("--config", default="demo_cpu", help="base config, a shipped name or a YAML path (default: demo_cpu)")
+    p.add_argument("--pretrain-config", default=None,
+                   help="warm start's transcript policy (default: pretrain_tools; its env and model are the demo's)")
+    p.add_argument("--from-scratch", action="store_true", help="no warm start: every run starts from a random init")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
     p = sub.add_parser("train", parents=[common], help="train from a config")
     p.add_argument("--config", required=True, help="a shipped config name (demo_cpu, ...) or a YAML path")
@@ -117,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="override cluster.gpu_memory_gib")
     p.add_argument("overrides", nargs="*")
     sub.add_parser("bench", help="run the shipped benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
-    sub.add_parser("pretrain", help="the cached warm start for synthetic_search (trace-mega pretrain --help)")
+    sub.add_parser("pretrain", help="the cached warm start for synthetic_search / synthetic_tools (trace-mega pretrain --help)")
     return parser
 
 
@@ -167,7 +171,9 @@ def _pretrain(argv: list[str]) -> int:
     from trace_mega.pretrain import pretrain
 
     p = argparse.ArgumentParser(prog="trace-mega pretrain", description="the cached warm start (HF checkpoint)")
-    p.add_argument("--config", default=None, help="PretrainConfig YAML (default: configs/pretrain_search.yaml)")
+    p.add_argument("--config", default=None,
+                   help="PretrainConfig: a shipped name (pretrain_search, pretrain_tools) or a YAML path "
+                        "(default: pretrain_search)")
     p.add_argument("--force", action="store_true", help="retrain even when the cache has this config")
     p.add_argument("--verbose", "-v", action="store_true", help="also print library logs")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100")
@@ -176,11 +182,13 @@ def _pretrain(argv: list[str]) -> int:
 
     setup_logging(verbose=args.verbose)
     from trace_mega.credit_demo import DEFAULT_PRETRAIN
+    from trace_mega.resources import resolve_config
 
     try:
-        cfg = load_yaml(PretrainConfig, args.config or DEFAULT_PRETRAIN, args.overrides)
-    except ConfigError as exc:
-        print(f"invalid config: {exc}", file=sys.stderr)
+        cfg = load_yaml(PretrainConfig, resolve_config(args.config) if args.config else DEFAULT_PRETRAIN,
+                        args.overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"invalid config: {exc}" if isinstance(exc, ConfigError) else str(exc), file=sys.stderr)
         return 2
     print(pretrain(cfg, force=args.force))
     return 0
@@ -214,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             from trace_mega.demo import run_demo
 
             log_to_file(args.out, "demo")
-            run_demo(out_dir=args.out, config_path=config, overrides=args.overrides, seeds=args.seeds)
+            run_demo(out_dir=args.out, config_path=config, overrides=args.overrides, seeds=args.seeds,
+                     pretrain_config_path=args.pretrain_config and resolve_config(args.pretrain_config),
+                     from_scratch=args.from_scratch)
             return 0
         cfg = load_yaml(TrainConfig, config, _eval_overrides(args) if args.cmd == "eval" else args.overrides)
         if args.cmd == "plan":

@@ -26,13 +26,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from trace_mega.config import TrainConfig, load_yaml
+from trace_mega.config import PretrainConfig, TrainConfig, load_yaml
 from trace_mega.resources import resolve_config
 from trace_mega.telemetry import plot_curves, read_metrics
 
 METHODS = ("uniform", "treepo", "trace")
-REPORT_KEYS = ("effective_ratio_mean", "contrasted_groups_mean", "predictor_fallback_frac", "predictor_skill_mean",
-               "reward_first10", "reward_last10", "trajectories_per_step", "generated_tokens_per_step", "wall_s")
+REPORT_KEYS = ("effective_ratio_mean", "contrasted_prompts_mean", "active_prompts_mean", "contrasted_groups_mean",
+               "predictor_fallback_frac", "predictor_skill_mean", "reward_first10", "reward_last10", "eval_reward_final",
+               "trajectories_per_step", "generated_tokens_per_step", "wall_s")
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:
@@ -60,31 +61,55 @@ def collapsed(rows: list[dict[str, float]], learned_reward: float = 0.1, entropy
     return False
 
 
-def summarise(rows: list[dict[str, float]], wall_s: float) -> dict[str, float]:
+def _last(rows: list[dict[str, float]], key: str) -> float:
+    vals = [r[key] for r in rows if key in r]
+    return vals[-1] if vals else float("nan")
+
+
+def summarise(rows: list[dict[str, float]], wall_s: float, split: str = "test") -> dict[str, float]:
     """The `REPORT_KEYS` of one run's metrics rows."""
     return {
         "effective_ratio_mean": _mean(rows, "alloc/effective_ratio"),
+        "contrasted_prompts_mean": _mean(rows, "alloc/contrasted_prompts"),
+        "active_prompts_mean": _mean(rows, "alloc/active_prompts"),
         "contrasted_groups_mean": _mean(rows, "alloc/contrasted_groups"),
         "predictor_fallback_frac": _mean(rows, "alloc/fallback"),
         "predictor_skill_mean": pooled_skill(rows),
         "reward_first10": _mean(rows[:10], "reward/mean"),
         "reward_last10": _mean(rows[-10:], "reward/mean"),
+        # The policy on every task (the training reward is over the prompts each method chose).
+        "eval_reward_final": _last(rows, f"eval/{split}/reward"),
         "trajectories_per_step": _mean(rows, "alloc/trajectories"),
         "generated_tokens_per_step": _mean(rows, "rollout/generated_tokens"),
         "wall_s": wall_s,
     }
 
 
+def warm_start(base: TrainConfig, pretrain_config_path: Optional[str | Path] = None) -> str:
+    """The cached warm-start checkpoint of the demo (trained now if not cached): the transcript policy of
+    `pretrain_config_path` (default: the shipped `pretrain_tools`) on the demo's own environment and model."""
+    from trace_mega.pretrain import pretrain
+
+    pcfg = load_yaml(PretrainConfig, pretrain_config_path or resolve_config("pretrain_tools"))
+    pcfg = dataclasses.replace(pcfg, env=base.env, model=dataclasses.replace(base.model, hf_checkpoint=None))
+    return str(pretrain(pcfg))
+
+
 def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path] = None,
-             overrides: Optional[list[str]] = None, seeds: int = 1) -> dict[str, dict[str, float]]:
+             overrides: Optional[list[str]] = None, seeds: int = 1,
+             pretrain_config_path: Optional[str | Path] = None, from_scratch: bool = False) -> dict[str, dict[str, float]]:
     """Run every method of `METHODS` on seeds base.seed .. base.seed + seeds - 1 (one run at a time)
-    and write the report; returns {method: {REPORT_KEYS: mean over seeds}}."""
+    and write the report; returns {method: {REPORT_KEYS: mean over seeds}}. Every run starts from the warm
+    start (`warm_start`) unless `from_scratch` or the config names its own `model.hf_checkpoint`."""
     from trace_mega.trainer import Trainer
 
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     out = Path(out_dir)
     base = load_yaml(TrainConfig, config_path or resolve_config("demo_cpu"), overrides)
+    if not from_scratch and base.model.hf_checkpoint is None:
+        base = dataclasses.replace(base, model=dataclasses.replace(base.model,
+                                                                   hf_checkpoint=warm_start(base, pretrain_config_path)))
     per_seed: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     first_runs: dict[str, list[dict[str, float]]] = {}
     collapses: list[str] = []
@@ -104,7 +129,7 @@ def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path
             finally:
                 trainer.close()
             rows = read_metrics(run_dir / "metrics.jsonl")
-            per_seed[method].append(summarise(rows, time.perf_counter() - t0))
+            per_seed[method].append(summarise(rows, time.perf_counter() - t0, split=cfg.eval.split))
             if collapsed(rows):
                 collapses.append(f"{method} seed {cfg.seed}")
             if k == 0:

@@ -3,10 +3,11 @@ the effective ratio the allocation gets from them.
 
 Every variant trains the CPU demo config (`synthetic_tools`, tiny policy) with
 `allocation.name=trace` and the fallback guard OFF, so every step's plan reads the
-predictor, from the same initialisation, for `--steps` steps on each of `--seeds`
-seeds (run one after the other). Per step the trainer measures the predictor on the
-step's trees BEFORE fitting on them (trees it has not seen: the "next step" of the
-previous fit) against the equally held-out constant, the previous fit's mean target.
+predictor, from the demo's warm start (`--from-scratch`: a random init), for
+`--steps` steps on each of `--seeds` seeds (run one after the other). Per step the
+trainer measures the predictor on the step's trees BEFORE fitting on them (trees it has
+not seen: the "next step" of the previous fit) against the equally held-out constant,
+the previous fit's mean target.
 Columns:
 
 * `skill` — pooled Brier skill 1 - Σ brier / Σ brier_constant over steps 1.. (each
@@ -23,11 +24,12 @@ construction), i.e. what trace's solvers do with no information beyond the mean.
 noise, inverted (1 - v) or a constant 0.5 (the predictor's open question: how much does a
 broken predictor cost once the guard is on?); `fallback` is the share of steps on treepo.
 
-    python benchmarks/bench_predictor.py [--steps 30] [--seeds 3] [--variants a,b] [--failures] [--json PATH]
+    python benchmarks/bench_predictor.py [--steps 30] [--seeds 3] [--variants a,b] [--failures] [--from-scratch] [--json PATH]
     trace-mega bench predictor [same options]
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import tempfile
@@ -84,7 +86,8 @@ def _corrupt(trainer, mode: str, seed: int) -> None:
         trainer.predictor.predict = predict
 
 
-def _train(overrides: list[str], seed: int, steps: int, out_dir: Path, failure: str = "real") -> list[dict]:
+def _train(overrides: list[str], seed: int, steps: int, out_dir: Path, failure: str = "real",
+           checkpoint: str | None = None) -> list[dict]:
     from trace_mega.config import TrainConfig, load_yaml
     from trace_mega.telemetry import read_metrics
     from trace_mega.trainer import Trainer
@@ -93,6 +96,8 @@ def _train(overrides: list[str], seed: int, steps: int, out_dir: Path, failure: 
                     ["allocation.name=trace", "allocation.predictor_fallback=false", f"steps={steps}",
                      f"seed={seed}", f"telemetry.out_dir={out_dir}", "telemetry.tensorboard=false",
                      "telemetry.progress_bars=false", *overrides])
+    if checkpoint is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_checkpoint=checkpoint))
     trainer = Trainer(cfg)
     _corrupt(trainer, failure, seed)
     try:
@@ -100,6 +105,14 @@ def _train(overrides: list[str], seed: int, steps: int, out_dir: Path, failure: 
     finally:
         trainer.close()
     return read_metrics(out_dir / "metrics.jsonl")
+
+
+def _warm_start() -> str:
+    """The demo's cached warm start (what `trace-mega demo` starts every arm from)."""
+    from trace_mega.config import TrainConfig, load_yaml
+    from trace_mega.demo import warm_start
+
+    return warm_start(load_yaml(TrainConfig, ROOT / "configs" / "demo_cpu.yaml"))
 
 
 def summarise(rows: list[dict]) -> dict[str, float]:
@@ -128,7 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--failures", action="store_true",
                     help="instead: treepo vs trace with the guard on and its predictions replaced by "
                          + " / ".join(FAILURES[1:]))
+    ap.add_argument("--from-scratch", action="store_true",
+                    help="start every run from a random init instead of the demo's warm start")
     args = ap.parse_args(argv)
+    checkpoint = None if args.from_scratch else _warm_start()
     if args.failures:
         runs = {"treepo": (VARIANTS["treepo"], "real"),
                 **{f"trace, {f} predictions": (["allocation.predictor_fallback=true"], f) for f in FAILURES}}
@@ -141,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (overrides, failure) in runs.items():
-            per_seed = [summarise(_train(overrides, s, args.steps, Path(tmp) / f"{len(results)}_{s}", failure))
+            per_seed = [summarise(_train(overrides, s, args.steps, Path(tmp) / f"{len(results)}_{s}", failure,
+                                       checkpoint))
                         for s in range(args.seeds)]
             results[name] = {k: statistics.fmean(p[k] for p in per_seed) for k in per_seed[0]} | {
                 "per_seed": per_seed, "overrides": overrides, "predictions": failure}

@@ -88,7 +88,7 @@ def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
     run("train", "--config", "demo_cpu", "steps=1", *SMALL, "telemetry.out_dir=train_run")
     assert len((work / "train_run" / "metrics.jsonl").read_text().splitlines()) == 1
     run("pretrain", "--config", "pretrain_tools", "steps=2", "episodes_per_step=2")  # the demo's warm start, by name
-    run("demo", "--out", "demo_run", "--from-scratch", "steps=1", *SMALL)  # (the full warm start is ~1.5 min)
+    run("demo", "--out", "demo_run", "--from-scratch", "steps=1", *SMALL)  # (the full warm start is ~3-4 min)
     assert (work / "demo_run" / "report.md").exists()
     bad = subprocess.run([str(venv / "bin" / "trace-mega"), "train", "--config", "demo_gpu"], cwd=work, env=env,
                          capture_output=True, text=True, timeout=120)

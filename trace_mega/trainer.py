@@ -232,16 +232,23 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, split: Optional[str] = None) -> Optional[EvalReport]:
         """pass@k / mean@n per benchmark of the current policy on `split` (default `eval.split`);
-        rank 0 runs the rollouts and gets the report, the other ranks None (trace_mega/evaluation.py)."""
-        return evaluate(self.rollouts.agent, self.env, self.cfg.eval, split) if self.is_main else None
+        replica 0 runs the rollouts (on each of its ranks with an engine: a vLLM replica's TP
+        ranks submit identical requests), rank 0 gets the report, the other ranks None
+        (trace_mega/evaluation.py)."""
+        if self.rollouts.agent is None or self.rollouts.layout.replica != 0:
+            return None
+        report = evaluate(self.rollouts.agent, self.env, self.cfg.eval, split)
+        return report if self.is_main else None
 
     def _validate(self) -> dict[str, float]:
         """Periodic validation (`eval.every_steps`, and after the last step): this step's eval
         metrics, the report written to `<out_dir>/eval/step_XXXXXXXX.{json,md}`."""
         every = self.cfg.eval.every_steps
-        if not every or (self.step % every and self.step != self.cfg.steps) or not self.is_main:
+        if not every or (self.step % every and self.step != self.cfg.steps):
             return {}
         report = self.evaluate()
+        if report is None:
+            return {}
         report.write(Path(self.cfg.telemetry.out_dir) / "eval", f"step_{self.step:08d}")
         return report.metrics()
 

@@ -98,6 +98,12 @@ class PredictorConfig:
     """Offset every logit by logit(previous fit's mean target), so an untrained (zero) head
     predicts exactly the constant the fallback guard compares with and the head learns only
     the deviation from it (docs/design.md §3.1)."""
+    root_head: bool = False
+    """value_head: score the prompts (roots) with a head of their own, anchored at the previous
+    fit's mean root target (prefixes keep theirs, at the mean prefix target). The state at a
+    prompt's last token lies apart from the turn boundaries', and roots are ~5% of the samples,
+    so a shared head predicts about the same value for every prompt (docs/allocation.md
+    "The root head")."""
     calibration_bins: int = 10
     """Bins of the ECE / reliability curve."""
 
@@ -109,6 +115,7 @@ class PredictorConfig:
         require(self.weight_decay >= 0.0, "weight_decay", "must be >= 0")
         f = self.prefix_sample_fraction
         require(f is None or 0.0 <= f <= 1.0, "prefix_sample_fraction", "must be in [0, 1]")
+        require(not self.root_head or self.backend == "value_head", "root_head", "is a value_head option")
 
 
 @dataclass

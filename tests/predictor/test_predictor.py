@@ -177,3 +177,50 @@ def test_a_data_parallel_fit_on_shares_equals_the_one_process_fit(tmp_path):
             assert a.keys() == b.keys()
             for k in a:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7, nan_ok=True), k
+
+
+def _roots_unlike_prefixes():
+    """Six prompts whose last token (3) is also the last token of their one prefix: the same
+    feature, but the root's target is 0.5 (leaves 1 and 0) and the prefix's 0."""
+    trees = []
+    for i in range(6):
+        t = RolloutTree(f"p{i}", [5, 3])
+        t.add_path(0, [_turn(6)], 1.0)
+        t.add_path(t.add_node(0, _turn(3)), [_turn(6)], 0.0)
+        trees.append(t)
+    return pack(trees)
+
+
+@pytest.mark.parametrize("anchor", [False, True])
+def test_root_head_separates_roots_from_prefixes_on_shared_features(anchor):
+    """root_head: the roots get their own head (and anchor), so a root state that looks like a
+    prefix state is no longer read as the prefixes' value; a shared head can only average them."""
+    packed = _roots_unlike_prefixes()
+    s = predictor_samples(packed)
+    hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
+    assert s.is_root.sum() == 6 and (~s.is_root).sum() == 6
+    errs = {}
+    for root_head in (False, True):
+        torch.manual_seed(0)
+        pred = build_predictor(PredictorConfig(lr=0.1, updates_per_step=300, root_head=root_head,
+                                               anchor_at_mean=anchor), hidden_size=8, vocab_size=8)
+        pred.fit(packed, s, hidden)
+        errs[root_head] = float((pred.predict(packed, s.node, hidden) - s.target).abs().max())
+    assert errs[False] > 0.2  # one head on one feature: both kinds near 0.25
+    assert errs[True] < 0.02
+
+
+def test_root_head_anchors_each_kind_at_its_own_mean():
+    """An untrained root head with anchor_at_mean predicts the previous fit's mean root target at
+    the roots and the mean prefix target at the prefixes; a config without the head keeps one anchor."""
+    packed = pack(_trees(seed=5))
+    s = predictor_samples(packed)
+    hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
+    pred = build_predictor(PredictorConfig(updates_per_step=0, root_head=True, anchor_at_mean=True),
+                           hidden_size=8, vocab_size=8)
+    pred.fit(packed, s, hidden)
+    v = pred.predict(packed, s.node, hidden)
+    for kind in (s.is_root, ~s.is_root):
+        assert torch.allclose(v[kind], torch.full_like(v[kind], float(s.target[kind].mean())), atol=1e-6)
+    with pytest.raises(ValueError, match="root_head"):
+        PredictorConfig(backend="small_model", root_head=True).validate()

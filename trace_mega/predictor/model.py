@@ -49,6 +49,9 @@ class Predictor(ABC, nn.Module):
         # Mean target of the previous fit: the constant predictor the guard compares with
         # (NaN before the first fit). A buffer, so it is checkpointed with the weights.
         self.register_buffer("prior_mean", torch.tensor(float("nan")))
+        # The same over the roots and over the prefixes alone: the anchors of `cfg.root_head`.
+        self.register_buffer("prior_root_mean", torch.tensor(float("nan")))
+        self.register_buffer("prior_prefix_mean", torch.tensor(float("nan")))
         # (packed, samples, hidden) of the previous replay_steps - 1 steps (not checkpointed).
         self.replay: collections.deque = collections.deque(maxlen=cfg.replay_steps - 1)
 
@@ -57,12 +60,15 @@ class Predictor(ABC, nn.Module):
         """(S,) logits of success for `nodes` (global ids) of `packed`; differentiable."""
 
     def logits(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor]) -> torch.Tensor:
-        """(S,) fp32 logits: the backend's, offset by the anchor (`cfg.anchor_at_mean`)."""
+        """(S,) fp32 logits: the backend's, offset by the anchor (`cfg.anchor_at_mean`; with
+        `cfg.root_head`, roots and prefixes each at their own previous mean target)."""
         out = self.node_logits(packed, nodes, hidden).float()
-        prior = float(self.prior_mean)
-        if self.cfg.anchor_at_mean and prior == prior:  # no anchor before the first fit (NaN)
-            out = out + torch.logit(torch.tensor(prior).clamp(1e-3, 1.0 - 1e-3)).to(out.device)
-        return out
+        if not self.cfg.anchor_at_mean:
+            return out
+        if self.cfg.root_head:
+            is_root = (packed.node_parent[nodes] < 0).to(out.device)
+            return out + torch.where(is_root, _anchor(self.prior_root_mean), _anchor(self.prior_prefix_mean)).to(out)
+        return out + _anchor(self.prior_mean).to(out)
 
     @torch.no_grad()
     def predict(self, packed: PackedTrees, nodes: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -105,6 +111,9 @@ class Predictor(ABC, nn.Module):
         cal = calibration(before, target, self.cfg.calibration_bins, constant=None if prior != prior else prior)
         skill = cal.skill if prior == prior else float("nan")
         self.prior_mean.fill_(float(target.mean()))
+        for prior, of_kind in ((self.prior_root_mean, is_root > 0), (self.prior_prefix_mean, is_root == 0)):
+            if bool(of_kind.any()):  # a step without prefixes keeps the last prefix mean
+                prior.fill_(float(target[of_kind].mean()))
         # Newest first: batch k of the list is k steps old.
         batches = [(packed, samples, hidden, 1.0)]
         for age, (p, s, h) in enumerate(reversed(list(replay)), start=1):
@@ -177,27 +186,43 @@ class Predictor(ABC, nn.Module):
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
 
+def _anchor(prior: torch.Tensor) -> torch.Tensor:
+    """0-d logit of a prior mean (clamped to [1e-3, 1 - 1e-3]); 0 before the first fit (NaN)."""
+    return torch.zeros(()) if bool(prior.isnan()) else torch.logit(prior.detach().cpu().clamp(1e-3, 1.0 - 1e-3))
+
+
 PREDICTORS: Registry[type[Predictor]] = Registry("predictor backend")
 
 
 @PREDICTORS.register("value_head")
 class ValueHeadPredictor(Predictor):
-    """sigmoid(w · h + b) on the policy's final hidden state at each node's last token."""
+    """sigmoid(w · h + b) on the policy's final hidden state at each node's last token
+    (with `cfg.root_head`, a second (w, b) for the roots)."""
 
     needs_policy_hidden = True
 
     def __init__(self, cfg: PredictorConfig, hidden_size: int, **_: object) -> None:
         super().__init__(cfg)
         self.head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)  # starts at 0.5 everywhere: the uninformed prior
+        self.root_head = nn.Linear(hidden_size, 1) if cfg.root_head else None
+        for head in filter(None, (self.head, self.root_head)):
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)  # starts at 0.5 everywhere (or at the anchor): the uninformed prior
         self.build_optimizer()
 
     def node_logits(self, packed, nodes, hidden):
         if hidden is None:
             raise ValueError("value_head predictor needs the policy's hidden states (T, H)")
         positions = packed.node_last_token()[nodes].to(hidden.device)
-        return boundary_scores(hidden.detach(), positions, self.head.weight.view(-1), self.head.bias.view(()),
+        out = self._scores(hidden, positions, self.head)
+        if self.root_head is None:
+            return out
+        is_root = (packed.node_parent[nodes] < 0).to(out.device)
+        return torch.where(is_root, self._scores(hidden, positions, self.root_head), out)
+
+    @staticmethod
+    def _scores(hidden: torch.Tensor, positions: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+        return boundary_scores(hidden.detach(), positions, head.weight.view(-1), head.bias.view(()),
                                return_logits=True)[1]
 
 

@@ -43,6 +43,10 @@ class AllocationConfig:
     """Root (bare) rollout budget M per step, shared by all prompts."""
     rollouts_per_prompt_max: int = 8
     """M_max: the most bare rollouts one prompt may get (m_i in {0, 2..M_max})."""
+    rollouts_per_prompt_min: int = 2
+    """trace / trace_global: the smallest group, m_i in {0} ∪ {min..M_max}. 2 is the paper's
+    (design.md §3.2); `group_size` gives no group fewer rollouts than the baselines' (an exact
+    DP then solves the root allocation; docs/allocation.md "A minimum group")."""
     group_size: int = 4
     """Fixed group size used by uniform / pcl / treepo (budget / group_size prompts are active)."""
     continuations_per_rollout: float = 1.0
@@ -69,6 +73,8 @@ class AllocationConfig:
         require(self.root_rollouts_per_step != 1, "root_rollouts_per_step", "1 is infeasible (m_i is never 1)")
         require(self.rollouts_per_prompt_max >= 2, "rollouts_per_prompt_max", "must be >= 2")
         require(self.group_size >= 2, "group_size", "must be >= 2 (a lone rollout has no contrast)")
+        require(2 <= self.rollouts_per_prompt_min <= self.rollouts_per_prompt_max, "rollouts_per_prompt_min",
+                "must lie in [2, rollouts_per_prompt_max]")
         require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
         require(0.0 <= self.fallback_skill_decay < 1.0, "fallback_skill_decay", "must be in [0, 1)")
         require(0.0 <= self.exploration_fraction <= 1.0, "exploration_fraction", "must be in [0, 1]")

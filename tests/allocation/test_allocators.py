@@ -1,10 +1,13 @@
 """The allocator registry: names, equal trajectory budgets, and each allocator's own rule."""
+import dataclasses
+
 import pytest
 import torch
 
 from trace_mega.allocation import ALLOCATORS, allocate_prefixes, allocate_roots, build_allocator
 from trace_mega.allocation.allocators import flat_groups, split_budget
 from trace_mega.config import AllocationConfig
+from trace_mega.kernels.allocation_ref import root_objective, roots_dp
 
 NAMES = ["pcl", "trace", "trace_global", "treepo", "uniform"]
 
@@ -140,3 +143,18 @@ def test_trace_exploration_floor_serves_prompts_the_solver_starves():
         assert int((m[8:] >= 2).sum()) >= 2  # random draws: 4 explored prompts, most of them rare
         served |= set(torch.nonzero(m[8:]).flatten().tolist())
     assert len(served) > 8  # the explored prompts change with the step's generator
+
+
+@pytest.mark.parametrize("explore", [0.0, 0.25])
+def test_trace_minimum_group_is_the_baselines_group_size(explore):
+    """rollouts_per_prompt_min = group_size: every active prompt gets >= 4 roots (the baselines'
+    groups), the budget is spent exactly, and the plan is the exact optimum over {0} ∪ {4..8}."""
+    v = torch.rand(32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    cfg = AllocationConfig(name="trace", prompts_per_step=32, root_rollouts_per_step=32, rollouts_per_prompt_max=8,
+                           rollouts_per_prompt_min=4, exploration_fraction=explore)
+    m = build_allocator(cfg).plan_roots(v, torch.Generator().manual_seed(0))
+    assert int(m.sum()) == 32 and bool(((m == 0) | (m >= 4)).all())
+    if not explore:
+        assert root_objective(v.tolist(), m.tolist()) == pytest.approx(roots_dp(v.tolist(), 32, 8, 4)[1], abs=1e-9)
+    with pytest.raises(ValueError, match="rollouts_per_prompt_min"):
+        build_allocator(dataclasses.replace(cfg, root_rollouts_per_step=3))

@@ -141,3 +141,35 @@ def test_unchecked_path_never_reads_tensors_back(monkeypatch):
     out = allocate_roots(v, budget, 5, check=False)
     monkeypatch.undo()
     assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("min_rollouts", [2, 3, 4, 5])
+def test_minimum_group_equals_the_reference_dp(min_rollouts):
+    """m_i in {0} ∪ {min..max}: the solver's objective equals the reference DP's on random and
+    U-shaped instances; every group is 0 or at least min_rollouts and the budget is spent."""
+    g = torch.Generator().manual_seed(min_rollouts)
+    for trial in range(40):
+        B = int(torch.randint(1, 12, (1,), generator=g))
+        Mmax = int(torch.randint(min_rollouts, 9, (1,), generator=g))
+        v = torch.rand(B, generator=g, dtype=torch.float64)
+        if trial % 2:
+            v = v ** 4 if trial % 4 == 1 else 1 - v ** 4  # mass near 0 or 1
+        M = int(torch.randint(0, B * Mmax + 3, (1,), generator=g))
+        ref, best = roots_dp(v.tolist(), M, Mmax, min_rollouts)
+        if ref is None:
+            with pytest.raises(ValueError, match="cannot be spent|infeasible"):
+                allocate_roots(v, M, Mmax, min_rollouts=min_rollouts)
+            continue
+        m = allocate_roots(v, M, Mmax, min_rollouts=min_rollouts)
+        assert int(m.sum()) == min(M, B * Mmax)
+        assert bool(((m == 0) | ((m >= min_rollouts) & (m <= Mmax))).all())
+        assert root_objective(v.tolist(), m.tolist()) == pytest.approx(best, abs=1e-9)
+
+
+def test_minimum_group_budget_errors_name_the_rule():
+    v = torch.full((4,), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cannot be spent exactly"):
+        allocate_roots(v, 3, 8, min_rollouts=4)  # 0 < 3 < 4
+    with pytest.raises(ValueError, match="min_rollouts must lie"):
+        allocate_roots(v, 8, 4, min_rollouts=5)
+    assert allocate_roots(v, 8, 8, min_rollouts=4).tolist().count(4) == 2  # 4 + 4 beats 8 at v = 0.5

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from trace_mega.allocation.prefix import allocate_prefixes
-from trace_mega.allocation.root import allocate_roots
+from trace_mega.allocation.root import allocate_roots, spendable
 from trace_mega.config import AllocationConfig
 from trace_mega.registry import Registry
 
@@ -338,6 +338,9 @@ class TraceAllocator(_Tree):
                              f"= {B * Mmax}; it could not spend the equal budget")
         if Mmax == 2 and M % 2:
             raise ValueError(f"{self.name}: odd root budget {M} cannot be spent with rollouts_per_prompt_max = 2")
+        if not spendable(M, cfg.rollouts_per_prompt_min, Mmax):
+            raise ValueError(f"{self.name}: root budget {M} cannot be spent in groups of "
+                             f"{cfg.rollouts_per_prompt_min}..{Mmax} (rollouts_per_prompt_min)")
         super().__init__(cfg, **kwargs)
 
     def selection_is_a_no_op(self) -> bool:
@@ -350,15 +353,17 @@ class TraceAllocator(_Tree):
         v = self._clean(v_root)
         perm = torch.argsort(random_keys(v.numel(), generator, v.device)) if generator is not None else None
         v = v if perm is None else v[perm]
-        # Exploration floor: the last n prompts of the (random) order get 2 rollouts whatever their
-        # prediction, the solver spends the rest. Their v = 0 has gain 0 and ties go to lower
-        # indices, so the solver gives them more only when every other prompt is at the cap.
-        n = min(int(self.cfg.exploration_fraction * self.root_budget) // 2, v.numel())
-        n -= int(self.root_budget - 2 * n == 1)  # a budget of 1 is infeasible
+        # Exploration floor: the last n prompts of the (random) order get the smallest group (2 by
+        # default) whatever their prediction, the solver spends the rest. Their v = 0 has gain 0 and
+        # ties go to lower indices, so the solver gives them more only when every other prompt is at the cap.
+        lo, hi = self.cfg.rollouts_per_prompt_min, self.cfg.rollouts_per_prompt_max
+        n = min(int(self.cfg.exploration_fraction * self.root_budget) // lo, v.numel())
+        while n and not spendable(self.root_budget - lo * n, lo, hi):  # e.g. a budget of 1 is infeasible
+            n -= 1
         explored = torch.arange(v.numel(), device=v.device) >= v.numel() - n
-        m = allocate_roots(torch.where(explored, torch.zeros_like(v), v), self.root_budget - 2 * n,
-                           self.cfg.rollouts_per_prompt_max, check=self.check)
-        m = (m + 2 * explored.long()).clamp(max=self.cfg.rollouts_per_prompt_max) if n else m
+        m = allocate_roots(torch.where(explored, torch.zeros_like(v), v), self.root_budget - lo * n, hi,
+                           check=self.check, min_rollouts=lo)
+        m = (m + lo * explored.long()).clamp(max=hi) if n else m
         return _unpermute(m, perm)
 
     def _local(self, v, r, group, m, generator):

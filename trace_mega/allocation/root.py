@@ -31,6 +31,14 @@ Algorithm (exact, batched, no host sync):
    `tests/allocation` checks this against an exhaustive DP on many random
    and adversarial instances.
 
+A larger minimum group, m_i in {0} ∪ {min_rollouts, ..., max_rollouts} (`min_rollouts` > 2:
+the baselines' group size, so no group is smaller than theirs), is no longer a parity
+fix-up away from the relaxation: the entry step 0 -> min_rollouts is a block. That case is
+solved by an exact dynamic programme over (prompt, units spent), vectorised over the units
+on the device, one loop step per prompt and a device-side backtrack (no host sync):
+O(B * budget * max_rollouts) work, O(B * budget) memory. Its ties are broken towards
+skipping the later prompt.
+
 Defined edge cases: budget 0 gives all zeros. Budget 1, a negative budget,
 or an odd budget with max_rollouts = 2 raise ValueError (no exact
 allocation exists). With budget >= B * max_rollouts every prompt gets
@@ -67,22 +75,33 @@ def _check_v(v: torch.Tensor, name: str = "v") -> None:
         raise ValueError(f"{name} must lie in [0, 1] without NaN; {name}[{i}] = {float(v[i])}")
 
 
-def _check_budget(budget: int, max_rollouts: int, capacity: int) -> None:
+def _check_budget(budget: int, max_rollouts: int, capacity: int, min_rollouts: int = 2) -> None:
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     if budget == 1:
         raise ValueError("budget 1 is infeasible: a prompt gets 0 or >= 2 rollouts (a lone rollout has no contrast)")
     if max_rollouts == 2 and budget % 2 == 1 and budget < capacity:
         raise ValueError(f"odd budget {budget} cannot be spent exactly with max_rollouts = 2 (every m_i is 0 or 2)")
+    if min_rollouts > 2 and 0 < budget < capacity and not spendable(budget, min_rollouts, max_rollouts):
+        raise ValueError(f"budget {budget} cannot be spent exactly with m_i in {{0}} ∪ {{{min_rollouts}..{max_rollouts}}}")
 
 
-def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: int, *, check: bool = True) -> torch.Tensor:
+def spendable(budget: int, min_rollouts: int, max_rollouts: int) -> bool:
+    """Whether some number n of active prompts spends `budget` exactly: n * min <= budget <= n * max."""
+    n = -(-budget // max_rollouts)  # the fewest prompts that can take it
+    return budget == 0 or n * min_rollouts <= budget
+
+
+def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: int, *, check: bool = True,
+                   min_rollouts: int = 2) -> torch.Tensor:
     """Exact maximiser m (LongTensor[B], on v's device) of sum_i root_value(v_i, m_i) (see the module doc).
 
     Args:
         v: (B,) predicted success probabilities in [0, 1].
-        budget: total root rollouts M, a Python int or a 0-d integer tensor.
+        budget: total root rollouts M, a Python int or a 0-d integer tensor (an int when
+            min_rollouts > 2: the programme's width is the budget).
         max_rollouts: M_max >= 2.
+        min_rollouts: the smallest group, 2 <= min_rollouts <= max_rollouts (2: the paper's).
         check: validate v and a tensor budget. This reads values back to the
             host (one sync). Pass False on the GPU hot path: invalid input
             then gives unspecified output, and an infeasible tensor budget
@@ -92,6 +111,15 @@ def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: in
     """
     if max_rollouts < 2:
         raise ValueError(f"max_rollouts must be >= 2, got {max_rollouts}")
+    if not 2 <= min_rollouts <= max_rollouts:
+        raise ValueError(f"min_rollouts must lie in [2, max_rollouts = {max_rollouts}], got {min_rollouts}")
+    if min_rollouts > 2:
+        if isinstance(budget, torch.Tensor):
+            raise ValueError("min_rollouts > 2 takes the budget as a Python int")
+        _check_budget(int(budget), max_rollouts, v.shape[0] * max_rollouts if v.dim() == 1 else 0, min_rollouts)
+        if check:
+            _check_v(v)
+        return _roots_dp(v, min(int(budget), v.shape[0] * max_rollouts), min_rollouts, max_rollouts)
     if v.dim() != 1:
         raise ValueError(f"v must be 1-D (B,), got shape {tuple(v.shape)}")
     B = v.shape[0]
@@ -133,3 +161,34 @@ def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: in
     idx = torch.stack([i1, l, i2])
     delta_m = torch.stack([use1, 2 * (1 - use1), use1 - 1]) * apply
     return cp.index_add(0, idx, delta_m)
+
+
+def _roots_dp(v: torch.Tensor, budget: int, min_rollouts: int, max_rollouts: int) -> torch.Tensor:
+    """m (B,): the exact optimum over m_i in {0} ∪ {min..max} by DP over (prompt, units spent).
+
+    best[b] is the best objective of the prompts so far spending exactly b units (-inf: none).
+    Prompt i either takes nothing or m in {min..max}: new[b] = max(best[b], max_m best[b - m] + f_i(m)).
+    """
+    if v.dim() != 1:
+        raise ValueError(f"v must be 1-D (B,), got shape {tuple(v.shape)}")
+    B, dev = v.shape[0], v.device
+    choices = torch.arange(min_rollouts, max_rollouts + 1, device=dev)  # (C,)
+    vals = root_value(v.to(torch.float64)[:, None], choices[None, :])  # (B, C)
+    units = torch.arange(budget + 1, device=dev)
+    src = units[:, None] - choices[None, :] + max_rollouts  # (M+1, C) into best padded by max_rollouts -inf
+    pad = torch.full((max_rollouts,), -torch.inf, dtype=torch.float64, device=dev)
+    best = torch.full((budget + 1,), -torch.inf, dtype=torch.float64, device=dev)
+    best[0] = 0.0
+    took = torch.zeros(B, budget + 1, dtype=torch.long, device=dev)  # m of prompt i on the best path to b
+    for i in range(B):
+        cand, c = (torch.cat([pad, best])[src] + vals[i]).max(1)  # (M+1,): prompt i active
+        take = cand > best
+        took[i] = torch.where(take, choices[c], 0)
+        best = torch.where(take, cand, best)
+    m = torch.zeros(B, dtype=torch.long, device=dev)
+    left = torch.full((), budget, dtype=torch.long, device=dev)
+    for i in range(B - 1, -1, -1):  # the backtrack, on the device
+        m_i = took[i].gather(0, left.view(1))  # a 0-d index tensor would be read to the host
+        m[i:i + 1] = m_i
+        left = left - m_i[0]
+    return m

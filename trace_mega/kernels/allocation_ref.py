@@ -33,8 +33,10 @@ def prefix_objective(v: Sequence[float], r: Sequence[int], k: Sequence[int]) -> 
     return float((1.0 - q ** np.asarray(k, dtype=np.int64)).sum())
 
 
-def roots_dp(v: Sequence[float], budget: int, max_rollouts: int) -> tuple[Optional[np.ndarray], float]:
-    """Exact root allocation by DP over (prompt, units spent). Returns (m, objective); m None when infeasible.
+def roots_dp(v: Sequence[float], budget: int, max_rollouts: int,
+             min_rollouts: int = 2) -> tuple[Optional[np.ndarray], float]:
+    """Exact root allocation by DP over (prompt, units spent), m_i in {0} ∪ {min_rollouts..max_rollouts}.
+    Returns (m, objective); m None when infeasible.
 
     The budget is clamped to B * max_rollouts, the same rule as `allocate_roots`.
     Cost O(B * budget * max_rollouts) time, O(B * budget) bytes.
@@ -42,7 +44,7 @@ def roots_dp(v: Sequence[float], budget: int, max_rollouts: int) -> tuple[Option
     v = np.asarray(v, dtype=np.float64)
     B = len(v)
     M = min(int(budget), B * max_rollouts)
-    choices = np.array([0] + list(range(2, max_rollouts + 1)))  # the feasible m
+    choices = np.array([0] + list(range(min_rollouts, max_rollouts + 1)))  # the feasible m
     dp = np.full(M + 1, -np.inf)
     dp[0] = 0.0
     arg = np.zeros((B, M + 1), dtype=np.uint8)

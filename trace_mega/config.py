@@ -42,11 +42,12 @@ class AllocationConfig:
     root_rollouts_per_step: int = 256
     """Root (bare) rollout budget M per step, shared by all prompts."""
     rollouts_per_prompt_max: int = 8
-    """M_max: the most bare rollouts one prompt may get (m_i in {0, 2..M_max})."""
+    """M_max: the most bare rollouts one prompt may get (m_i in {0} ∪ {rollouts_per_prompt_min..M_max})."""
     rollouts_per_prompt_min: int = 2
     """trace / trace_global: the smallest group, m_i in {0} ∪ {min..M_max}. 2 is the paper's
     (design.md §3.2); `group_size` gives no group fewer rollouts than the baselines' (an exact
-    DP then solves the root allocation; docs/allocation.md "A minimum group")."""
+    DP then solves the root allocation; docs/allocation.md "The root head and a
+    minimum group")."""
     group_size: int = 4
     """Fixed group size used by uniform / pcl / treepo (budget / group_size prompts are active)."""
     continuations_per_rollout: float = 1.0
@@ -109,7 +110,7 @@ class PredictorConfig:
     fit's mean root target (prefixes keep theirs, at the mean prefix target). The state at a
     prompt's last token lies apart from the turn boundaries', and roots are ~5% of the samples,
     so a shared head predicts about the same value for every prompt (docs/allocation.md
-    "The root head")."""
+    "The root head and a minimum group")."""
     calibration_bins: int = 10
     """Bins of the ECE / reliability curve."""
 

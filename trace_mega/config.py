@@ -64,7 +64,7 @@ class AllocationConfig:
     fallback_skill_threshold: float = 0.0
     """Smoothed Brier skill below which the guard falls back (0: worse than the constant)."""
     exploration_fraction: float = 0.0
-    """trace / trace_global: share of the root budget given, 2 rollouts each, to prompts drawn at
+    """trace / trace_global: share of the root budget given, `rollouts_per_prompt_min` each, to prompts drawn at
     random before the root solver spends the rest (an exploration floor: V(1-V) alone starves
     prompts that succeed about once in 8; docs/allocation.md "Rare successes")."""
 

@@ -113,15 +113,15 @@ def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: in
         raise ValueError(f"max_rollouts must be >= 2, got {max_rollouts}")
     if not 2 <= min_rollouts <= max_rollouts:
         raise ValueError(f"min_rollouts must lie in [2, max_rollouts = {max_rollouts}], got {min_rollouts}")
+    if v.dim() != 1:
+        raise ValueError(f"v must be 1-D (B,), got shape {tuple(v.shape)}")
     if min_rollouts > 2:
         if isinstance(budget, torch.Tensor):
             raise ValueError("min_rollouts > 2 takes the budget as a Python int")
-        _check_budget(int(budget), max_rollouts, v.shape[0] * max_rollouts if v.dim() == 1 else 0, min_rollouts)
+        _check_budget(int(budget), max_rollouts, v.shape[0] * max_rollouts, min_rollouts)
         if check:
             _check_v(v)
         return _roots_dp(v, min(int(budget), v.shape[0] * max_rollouts), min_rollouts, max_rollouts)
-    if v.dim() != 1:
-        raise ValueError(f"v must be 1-D (B,), got shape {tuple(v.shape)}")
     B = v.shape[0]
     capacity = B * max_rollouts
     if isinstance(budget, torch.Tensor):
@@ -169,8 +169,6 @@ def _roots_dp(v: torch.Tensor, budget: int, min_rollouts: int, max_rollouts: int
     best[b] is the best objective of the prompts so far spending exactly b units (-inf: none).
     Prompt i either takes nothing or m in {min..max}: new[b] = max(best[b], max_m best[b - m] + f_i(m)).
     """
-    if v.dim() != 1:
-        raise ValueError(f"v must be 1-D (B,), got shape {tuple(v.shape)}")
     B, dev = v.shape[0], v.device
     choices = torch.arange(min_rollouts, max_rollouts + 1, device=dev)  # (C,)
     vals = root_value(v.to(torch.float64)[:, None], choices[None, :])  # (B, C)

@@ -209,3 +209,23 @@ def test_min_distance_and_slip_in_prompt_are_validated():
     EnvConfig(options={"slips": [0.0, 0.9], "slip_in_prompt": "level", "min_distance": 1}).validate()
     with pytest.raises(ValueError, match="slip_level"):
         EnvConfig(options={"slip_level": True}).validate()
+
+
+def test_walls_add_unsolvable_dry_copies_stated_in_the_prompt():
+    env = SyntheticToolsEnv(width=5, max_distance=1, slips=[0.0, 0.7], slip_in_prompt="level", walls=True, seed=0)
+    walled = [t for t in env.tasks() if t.meta["wall"]]
+    dry = [t for t in env.tasks() if not t.meta["wall"] and t.meta["slip"] == 0.0]
+    assert len(walled) == len(dry) == 8 and len(env.tasks()) == 24
+    for t in walled:
+        assert t.messages[1]["content"] == f"start {t.meta['start']} goal {t.meta['goal']} wall"
+        # no policy reaches the goal: the greedy one never does, the random one's exact rate is 0
+        assert _greedy_success(env, t, 6, 20) == 0.0 and env.uniform_action_success(t, 6) == 0.0
+        s = env.reset(t)
+        obs = env.step(s, RIGHT if t.meta["goal"] > t.meta["start"] else LEFT)
+        assert obs == f"at {t.meta['start']} wall" and s.data["pos"] == t.meta["start"]
+    # the dry tasks they copy stay solvable, and a wall task is a different prompt
+    assert all(_greedy_success(env, t, 6, 20) == 1.0 for t in dry)
+    assert len({t.messages[1]["content"] for t in env.tasks()}) == len(env.tasks())
+    # min_distance 0 adds no walled goal = start task (it would be solved at once)
+    assert not any(t.meta["wall"] and t.meta["start"] == t.meta["goal"]
+                   for t in SyntheticToolsEnv(width=4, min_distance=0, max_distance=1, slips=[0.0], walls=True).tasks())

@@ -30,7 +30,10 @@ rendering and parsing path.
   goal = start tasks (answer at once: trivial, but a from-scratch policy can
   settle on always answering at once, docs/allocation.md). The prompt carries
   the task's description, never its success probability (which also depends
-  on the policy).
+  on the policy). ``walls=True`` adds the prompts no policy solves, the all-0
+  groups of a real prompt set: a copy of the dry tasks whose prompt ends in
+  ``wall`` — the goal cell is walled off, a move into it answers ``at X wall``
+  and leaves the agent where it was.
 
 Each episode's randomness comes from a per-state RNG (for ``synthetic``, the
 undrawn digits of U are a uniform ``tail`` drawn with it); `fork` replaces
@@ -190,11 +193,12 @@ class SyntheticToolsEnv(_SeededEnv):
     SLIP_IN_PROMPT = ("flag", "level")
 
     def __init__(self, width: int = 7, max_distance: int = 4, slips: tuple[float, ...] | list[float] = (0.0, 0.25),
-                 min_distance: int = 1, slip_in_prompt: str = "flag", seed: int = 0) -> None:
+                 min_distance: int = 1, slip_in_prompt: str = "flag", walls: bool = False, seed: int = 0) -> None:
         """`slips`: one copy of the task set per slip probability; `min_distance` .. `max_distance`:
         cells between start and goal (0: start on the goal); `slip_in_prompt`: ``flag`` appends
         ``ice`` to slippery prompts, ``level`` appends ``ice N`` with N = 10 * slip (slips must then
-        be multiples of 0.1, so the text states the level exactly)."""
+        be multiples of 0.1, so the text states the level exactly); `walls`: add one walled copy of
+        the dry tasks with start != goal (``wall`` in the prompt; the goal cannot be entered)."""
         if not 2 <= width <= 10 or not 0 <= min_distance <= max_distance < width or max_distance < 1:
             raise ValueError(f"synthetic_tools: need 2 <= width <= 10 and 0 <= min_distance <= max_distance < width, "
                              f"max_distance >= 1 (got {width}, {min_distance}, {max_distance})")
@@ -223,8 +227,15 @@ class SyntheticToolsEnv(_SeededEnv):
                             task_id=f"walk-{start}-{goal}-{slip:g}",
                             messages=[{"role": "system", "content": "walk"}, {"role": "user", "content": words}],
                             tools=self.tools, gold_answer="done",
-                            meta={"start": start, "goal": goal, "slip": float(slip)},
+                            meta={"start": start, "goal": goal, "slip": float(slip), "wall": False},
                         ))
+        if walls:
+            self._tasks += [
+                Task(task_id=f"walk-{t.meta['start']}-{t.meta['goal']}-wall",
+                     messages=[t.messages[0], {"role": "user", "content": f"start {t.meta['start']} goal {t.meta['goal']} wall"}],
+                     tools=self.tools, gold_answer="done", meta={**t.meta, "wall": True})
+                for t in self._tasks if t.meta["slip"] == 0.0 and t.meta["start"] != t.meta["goal"]
+            ]
 
     @staticmethod
     def _ice_words(slip: float, slip_in_prompt: str) -> str:
@@ -244,11 +255,15 @@ class SyntheticToolsEnv(_SeededEnv):
         state.history.append(call)
         d = state.data
         target = d["pos"] + (1 if call.arguments["dir"] == "right" else -1)
-        if not 0 <= target < self.width:
+        if self._blocked(state.task, target):
             return f"at {d['pos']} wall"
         if d["rng"].random() >= state.task.meta["slip"]:
             d["pos"] = target
         return f"at {d['pos']}"
+
+    def _blocked(self, task: Task, cell: int) -> bool:
+        """Whether a move into `cell` hits a wall: the line's edges, or a walled-off goal."""
+        return not 0 <= cell < self.width or (task.meta.get("wall", False) and cell == task.meta["goal"])
 
     def reward(self, state: EpisodeState, final_answer: Optional[str]) -> float:
         return float(final_answer == "done" and state.data["pos"] == state.task.meta["goal"])
@@ -267,7 +282,7 @@ class SyntheticToolsEnv(_SeededEnv):
                 v = float(x == goal) / 3.0
                 for step in (-1, 1):
                     y = x + step
-                    v += (value[x] if not 0 <= y < w else slip * value[x] + (1 - slip) * value[y]) / 3.0
+                    v += (value[x] if self._blocked(task, y) else slip * value[x] + (1 - slip) * value[y]) / 3.0
                 new.append(v)
             value = new
         return value[task.meta["start"]]

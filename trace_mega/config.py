@@ -111,6 +111,12 @@ class PredictorConfig:
     prompt's last token lies apart from the turn boundaries', and roots are ~5% of the samples,
     so a shared head predicts about the same value for every prompt (docs/allocation.md
     "The root head and a minimum group")."""
+    root_token_bag: bool = False
+    """root_head: add to each prompt's logit a learned weight per vocabulary token, summed over the
+    prompt's tokens (a bag of tokens). A prompt word the policy has no use for yet, such as
+    `wall`, shapes neither its state at the prompt's last token nor the mean of its states (both
+    are shaped to predict the next token); the bag reads the words themselves and does not drift
+    with the policy (docs/allocation.md "All-0 prompts and a level to learn")."""
     calibration_bins: int = 10
     """Bins of the ECE / reliability curve."""
 
@@ -123,6 +129,7 @@ class PredictorConfig:
         f = self.prefix_sample_fraction
         require(f is None or 0.0 <= f <= 1.0, "prefix_sample_fraction", "must be in [0, 1]")
         require(not self.root_head or self.backend == "value_head", "root_head", "is a value_head option")
+        require(not self.root_token_bag or self.root_head, "root_token_bag", "is a root_head option")
 
 
 @dataclass

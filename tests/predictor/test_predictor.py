@@ -224,3 +224,44 @@ def test_root_head_anchors_each_kind_at_its_own_mean():
         assert torch.allclose(v[kind], torch.full_like(v[kind], float(s.target[kind].mean())), atol=1e-6)
     with pytest.raises(ValueError, match="root_head"):
         PredictorConfig(backend="small_model", root_head=True).validate()
+
+
+def _prompts_differing_mid_prompt():
+    """Eight prompts [5, w, 7] (w = 1: "wall", never solved; w = 2: solved half the time) with
+    one-step paths: the last prompt token is the same, so a head on its state cannot tell them apart."""
+    trees = []
+    for i in range(8):
+        walled = i % 2 == 0
+        t = RolloutTree(f"p{i}", [5, 1 if walled else 2, 7])
+        for reward in (0.0, 0.0) if walled else (1.0, 0.0):
+            t.add_path(0, [_turn(6)], reward)
+        trees.append(t)
+    return pack(trees)
+
+
+def test_root_token_bag_reads_a_word_the_last_tokens_state_does_not_carry():
+    packed = _prompts_differing_mid_prompt()
+    s = predictor_samples(packed)
+    assert bool(s.is_root.all()) and s.target.tolist() == [0.0, 0.5] * 4
+    # the policy's state at the last prompt token: equal for every prompt (as for `wall` vs `ice 7`)
+    hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
+    errs = {}
+    for bag in (False, True):
+        torch.manual_seed(0)
+        pred = build_predictor(PredictorConfig(lr=0.1, updates_per_step=300, root_head=True, root_token_bag=bag,
+                                               anchor_at_mean=True), hidden_size=8, vocab_size=8)
+        untrained = pred.predict(packed, s.node, hidden)
+        assert torch.allclose(untrained, torch.full_like(untrained, 0.5))  # the bag starts at zero: no effect
+        pred.fit(packed, s, hidden)
+        errs[bag] = float((pred.predict(packed, s.node, hidden) - s.target).abs().max())
+    assert errs[False] > 0.2  # both kinds at their mean, 0.25
+    assert errs[True] < 0.05
+    # the bag's weights moved only on the prompts' tokens, and most on the word that decides
+    w = pred.root_bag.detach()
+    assert w[6] == 0 and w[1] < -1.0 and w[1] < w[2]
+
+
+def test_root_token_bag_is_a_root_head_option():
+    with pytest.raises(ValueError, match="root_token_bag"):
+        PredictorConfig(root_token_bag=True).validate()
+    PredictorConfig(root_head=True, root_token_bag=True).validate()

@@ -197,17 +197,20 @@ PREDICTORS: Registry[type[Predictor]] = Registry("predictor backend")
 @PREDICTORS.register("value_head")
 class ValueHeadPredictor(Predictor):
     """sigmoid(w · h + b) on the policy's final hidden state at each node's last token
-    (with `cfg.root_head`, a second (w, b) for the roots)."""
+    (with `cfg.root_head`, a second (w, b) for the roots; with `cfg.root_token_bag`, plus a
+    learned logit per token summed over the prompt's tokens)."""
 
     needs_policy_hidden = True
 
-    def __init__(self, cfg: PredictorConfig, hidden_size: int, **_: object) -> None:
+    def __init__(self, cfg: PredictorConfig, hidden_size: int, vocab_size: int = 0, **_: object) -> None:
         super().__init__(cfg)
         self.head = nn.Linear(hidden_size, 1)
         self.root_head = nn.Linear(hidden_size, 1) if cfg.root_head else None
         for head in filter(None, (self.head, self.root_head)):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)  # starts at 0.5 everywhere (or at the anchor): the uninformed prior
+        # (V,) a logit per token, summed over the prompt's tokens (zero: adds nothing until fitted).
+        self.root_bag = nn.Parameter(torch.zeros(vocab_size)) if cfg.root_token_bag else None
         self.build_optimizer()
 
     def node_logits(self, packed, nodes, hidden):
@@ -218,12 +221,29 @@ class ValueHeadPredictor(Predictor):
         if self.root_head is None:
             return out
         is_root = (packed.node_parent[nodes] < 0).to(out.device)
-        return torch.where(is_root, self._scores(hidden, positions, self.root_head), out)
+        root = self._scores(hidden, positions, self.root_head)
+        if self.root_bag is not None:
+            roots = nodes.to(out.device)[is_root]
+            root = root.masked_scatter(is_root, root[is_root] + _node_token_sums(packed, self.root_bag.view(-1), roots).to(root))
+        return torch.where(is_root, root, out)
 
     @staticmethod
     def _scores(hidden: torch.Tensor, positions: torch.Tensor, head: nn.Linear) -> torch.Tensor:
         return boundary_scores(hidden.detach(), positions, head.weight.view(-1), head.bias.view(()),
                                return_logits=True)[1]
+
+
+def _node_token_sums(packed: PackedTrees, weight: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """(S,) Σ weight[token] over the tokens of each of `nodes` (S,): a bag-of-tokens logit
+    (`weight` (V,) a width-1 embedding), differentiable in `weight`."""
+    dev = weight.device
+    tok_node = packed.token_node.to(dev)  # (T,)
+    slot = torch.full((packed.num_nodes,), -1, dtype=torch.long, device=dev)
+    slot[nodes.to(dev)] = torch.arange(nodes.numel(), device=dev)
+    tok_slot = slot[tok_node]
+    keep = tok_slot >= 0  # only the selected nodes' tokens: prompts are a small share of a tree
+    return torch.zeros(nodes.numel(), device=dev, dtype=weight.dtype).index_add(
+        0, tok_slot[keep], weight[packed.tokens.to(dev)[keep]])
 
 
 class _Block(nn.Module):

@@ -4,10 +4,10 @@ the warm start trained on its transcripts, and of a random init (what `--from-sc
 RL of a real LLM starts from a model that solves the easy prompts and not the hard ones
 (paper Fig. 2a: under uniform sampling most groups are all-0 or all-1). This measures how
 close the demo's start is to that on its own environment (`configs/demo_cpu.yaml`,
-`synthetic_tools`: dry or `ice 9`, the goal 1 or 2 cells away; train and test tasks),
+`synthetic_tools`: dry, `ice N` or walled off, the goal k cells away; train and test tasks),
 sampling `--samples` episodes per task at the demo's rollout settings:
 
-* `dry 1`, `dry 2`, `ice9 1`, `ice9 2` — success rate of the task kind;
+* `dry 1`, `ice7 1`, `wall 1`, ... — success rate of each task kind present (level, distance);
 * `mean` — over every task; `contrast@4` — the expected share of prompts with a success
   and a failure among 4 rollouts, 1 - p^4 - (1-p)^4 averaged over tasks (uniform's
   expected effective ratio at this policy).
@@ -27,7 +27,13 @@ from pathlib import Path
 
 from harness import RESULTS, ROOT, command_line, parser, print_table, write_json
 
-KINDS = {(0.0, 1): "dry_1", (0.0, 2): "dry_2", (0.9, 1): "ice9_1", (0.9, 2): "ice9_2"}
+
+
+def kind(task) -> str:
+    """`dry_1`, `ice7_2`, `wall_1`: the task's level as its prompt states it, and its distance."""
+    from trace_mega.envs.synthetic import SyntheticToolsEnv
+
+    return f"{SyntheticToolsEnv.kind(task)}_{abs(task.meta['goal'] - task.meta['start'])}"
 
 
 def _per_task(agent, tasks, samples: int, seed: int) -> list[tuple[tuple[float, int], list[float]]]:
@@ -36,16 +42,14 @@ def _per_task(agent, tasks, samples: int, seed: int) -> list[tuple[tuple[float, 
         batch = tasks[s:s + 8]
         trees = agent.rollout(batch, [samples] * len(batch), seed=seed + s)
         agent.release(trees)
-        out += [((t.meta["slip"], abs(t.meta["goal"] - t.meta["start"])), tree.leaf_rewards())
-                for t, tree in zip(batch, trees)]
+        out += [(kind(t), tree.leaf_rewards()) for t, tree in zip(batch, trees)]
     return out
 
 
 def _row(name: str, per_task) -> dict:
     row: dict = {"policy": name}
-    for kind, key in KINDS.items():
-        rewards = [r for k, rs in per_task if k == kind for r in rs]
-        row[key] = statistics.fmean(rewards) if rewards else float("nan")
+    for key in dict.fromkeys(k for k, _ in per_task):  # the kinds in task order
+        row[key] = statistics.fmean(r for k, rs in per_task if k == key for r in rs)
     ps = [statistics.fmean(rs) for _, rs in per_task]
     row["mean"] = statistics.fmean(ps)
     row["contrast_at_4"] = statistics.fmean(1 - p ** 4 - (1 - p) ** 4 for p in ps)
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [_row("transcript walker", measure_walker(base, pcfg, args.samples, seed=1)),
                 _row("warm start", measure_policy(with_model(checkpoint), args.samples, seed=1)),
                 _row("random init", measure_policy(with_model(None), args.samples, seed=1))]
-    print_table(rows, [("policy", "policy", "<"), *((k, k.replace("_", " "), ".3f") for k in KINDS.values()),
+    kinds = [k for k in rows[0] if k not in ("policy", "mean", "contrast_at_4")]
+    print_table(rows, [("policy", "policy", "<"), *((k, k.replace("_", " "), ".3f") for k in kinds),
                        ("mean", "mean", ".3f"), ("contrast_at_4", "contrast@4", ".3f")],
                 title=f"demo env, {args.samples} samples per task, checkpoint {Path(checkpoint).name}")
     result = {"rows": rows, "checkpoint": str(checkpoint), "samples": args.samples,

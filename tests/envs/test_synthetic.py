@@ -229,3 +229,9 @@ def test_walls_add_unsolvable_dry_copies_stated_in_the_prompt():
     # min_distance 0 adds no walled goal = start task (it would be solved at once)
     assert not any(t.meta["wall"] and t.meta["start"] == t.meta["goal"]
                    for t in SyntheticToolsEnv(width=4, min_distance=0, max_distance=1, slips=[0.0], walls=True).tasks())
+
+
+def test_kind_names_the_level_the_prompt_states():
+    env = SyntheticToolsEnv(width=5, max_distance=1, slips=[0.0, 0.7], slip_in_prompt="level", walls=True)
+    kinds = {SyntheticToolsEnv.kind(t): t.messages[1]["content"].split()[4:] for t in env.tasks()}
+    assert kinds == {"dry": [], "ice7": ["ice", "7"], "wall": ["wall"]}

@@ -261,6 +261,12 @@ class SyntheticToolsEnv(_SeededEnv):
             d["pos"] = target
         return f"at {d['pos']}"
 
+    @staticmethod
+    def kind(task: Task) -> str:
+        """The task's level as its prompt states it: ``dry``, ``ice<N>`` (slip N/10) or ``wall``."""
+        m = task.meta
+        return "wall" if m.get("wall", False) else ("dry" if m["slip"] == 0 else f"ice{round(10 * m['slip'])}")
+
     def _blocked(self, task: Task, cell: int) -> bool:
         """Whether a move into `cell` hits a wall: the line's edges, or a walled-off goal."""
         return not 0 <= cell < self.width or (task.meta.get("wall", False) and cell == task.meta["goal"])

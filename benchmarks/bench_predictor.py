@@ -37,13 +37,22 @@ from pathlib import Path
 
 from harness import RESULTS, ROOT, command_line, parser, print_table, write_json
 
-# The shipped demo config before this benchmark: zero-initialised head, newest step only, no decay.
+# The shipped demo config before this benchmark: zero-initialised shared head, newest step only, no decay.
 OLD = ["predictor.anchor_at_mean=false", "predictor.replay_steps=1", "predictor.weight_decay=0.0",
-       "predictor.lr=3e-2", "predictor.updates_per_step=8"]
+       "predictor.lr=3e-2", "predictor.updates_per_step=8", "predictor.root_head=false",
+       "predictor.root_token_bag=false"]
 ANCHOR = ["predictor.anchor_at_mean=true"]
 REPLAY = ["predictor.replay_steps=4", "predictor.replay_decay=0.7"]
 VARIANTS: dict[str, list[str]] = {
     "treepo": ["allocation.name=treepo"],
+    # The shipped demo config (root head + token bag, lr 3e-2) and its ablations.
+    "demo config": [],
+    "demo config: constant": ["predictor.updates_per_step=0"],
+    "demo config without the token bag": ["predictor.root_token_bag=false"],
+    "demo config without the token bag at lr 1e-2 (previous)": ["predictor.root_token_bag=false", "predictor.lr=1e-2"],
+    "demo config: prefix share 6%": ["predictor.prefix_sample_fraction=0.06"],
+    "demo config: prefix share 25%": ["predictor.prefix_sample_fraction=0.25"],
+    "demo config: prefix share 50%": ["predictor.prefix_sample_fraction=0.5"],
     "constant": [*OLD, *ANCHOR, "predictor.updates_per_step=0"],
     "zero-init head (old)": OLD,
     "+ anchor at mean": [*OLD, *ANCHOR],
@@ -64,7 +73,7 @@ VARIANTS: dict[str, list[str]] = {
 
 # The diagnosis table (docs/allocation.md); the prefix-share rows and small_model (≈ 5x slower per
 # step on CPU) run when named in --variants.
-DEFAULT = [n for n in VARIANTS if not n.startswith(("prefix share", "small_model"))]
+DEFAULT = [n for n in VARIANTS if "prefix share" not in n and not n.startswith("small_model")]
 
 # --failures: trace with the guard ON and its predictions (for planning AND for the guard's held-out
 # measurement) replaced; the predictor itself still trains on the real targets.

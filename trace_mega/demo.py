@@ -13,8 +13,9 @@ predictor's reliability curve, each run's `metrics.jsonl` under
 `<out>/<method>/seed<k>/`) gives per method the mean over seeds of the keys in
 `REPORT_KEYS`. `predictor_skill_mean` is the pooled held-out Brier skill of the
 step's predictor (1 - Σ brier / Σ brier_constant over the steps, each measured on
-trees before the predictor fits them); every arm fits the predictor, only trace
-reads it.
+trees before the predictor fits them), `predictor_root_skill_mean` the same over the
+prompts (roots) alone, what the root plan reads; every arm fits the predictor, only
+trace reads it.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from trace_mega.telemetry import plot_curves, read_metrics
 
 METHODS = ("uniform", "treepo", "trace")
 REPORT_KEYS = ("effective_ratio_mean", "contrasted_prompts_mean", "active_prompts_mean", "contrasted_groups_mean",
-               "predictor_fallback_frac", "predictor_skill_mean", "reward_first10", "reward_last10", "eval_reward_final",
+               "predictor_fallback_frac", "predictor_skill_mean", "predictor_root_skill_mean", "reward_first10", "reward_last10", "eval_reward_final",
                "trajectories_per_step", "generated_tokens_per_step", "wall_s")
 
 
@@ -41,11 +42,13 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
     return statistics.fmean(vals) if vals else float("nan")
 
 
-def pooled_skill(rows: list[dict[str, float]]) -> float:
-    """1 - Σ brier·n / Σ brier_constant·n over the steps with a held-out constant (skill not NaN)."""
-    scored = [r for r in rows if r.get("predictor/skill", math.nan) == r.get("predictor/skill", math.nan)]
-    b = sum(r["predictor/brier"] * r["predictor/samples"] for r in scored)
-    c = sum(r["predictor/brier_constant"] * r["predictor/samples"] for r in scored)
+def pooled_skill(rows: list[dict[str, float]], kind: str = "") -> float:
+    """1 - Σ brier·n / Σ brier_constant·n over the steps with a held-out constant (skill not NaN);
+    `kind` "root_": the roots' own (`predictor/root_brier`, ...)."""
+    key = f"predictor/{kind}"
+    scored = [r for r in rows if r.get(key + "skill", math.nan) == r.get(key + "skill", math.nan)]
+    b = sum(r[key + "brier"] * r[key + "samples"] for r in scored)
+    c = sum(r[key + "brier_constant"] * r[key + "samples"] for r in scored)
     return 1.0 - b / c if c > 0 else float("nan")
 
 
@@ -75,6 +78,7 @@ def summarise(rows: list[dict[str, float]], wall_s: float, split: str = "test") 
         "contrasted_groups_mean": _mean(rows, "alloc/contrasted_groups"),
         "predictor_fallback_frac": _mean(rows, "alloc/fallback"),
         "predictor_skill_mean": pooled_skill(rows),
+        "predictor_root_skill_mean": pooled_skill(rows, "root_"),
         "reward_first10": _mean(rows[:10], "reward/mean"),
         "reward_last10": _mean(rows[-10:], "reward/mean"),
         # The policy on every task (the training reward is over the prompts each method chose).

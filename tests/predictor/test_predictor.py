@@ -265,3 +265,25 @@ def test_root_token_bag_is_a_root_head_option():
     with pytest.raises(ValueError, match="root_token_bag"):
         PredictorConfig(root_token_bag=True).validate()
     PredictorConfig(root_head=True, root_token_bag=True).validate()
+
+
+def test_root_skill_is_the_roots_held_out_brier_against_their_previous_mean():
+    """`predictor/root_skill`: the roots alone, before the fit, against the previous fit's mean root
+    target (NaN on the first fit); the pooled skill mixes in the prefixes."""
+    packed = pack(_trees(seed=3))
+    s = predictor_samples(packed)
+    hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
+    pred = build_predictor(PredictorConfig(lr=0.1, updates_per_step=50, root_head=True, anchor_at_mean=True),
+                           hidden_size=8, vocab_size=8)
+    first = pred.fit(packed, s, hidden)
+    assert first["predictor/root_skill"] != first["predictor/root_skill"]  # no previous mean yet
+    assert first["predictor/root_samples"] == int(s.is_root.sum()) == 24
+    prior = float(pred.prior_root_mean)
+    before = pred.predict(packed, s.node, hidden)[s.is_root]
+    target = s.target[s.is_root]
+    second = pred.fit(packed, s, hidden)
+    brier, constant = float(((before - target) ** 2).mean()), float(((prior - target) ** 2).mean())
+    assert second["predictor/root_brier"] == pytest.approx(brier, rel=1e-5)
+    assert second["predictor/root_brier_constant"] == pytest.approx(constant, rel=1e-5)
+    assert second["predictor/root_skill"] == pytest.approx(1 - brier / constant, rel=1e-5)
+    assert second["predictor/root_skill"] > 0.2  # easy (token 1) and hard (token 2) prompts: learnt (targets are means of 4)

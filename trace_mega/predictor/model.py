@@ -110,6 +110,7 @@ class Predictor(ABC, nn.Module):
         prior = float(self.prior_mean)
         cal = calibration(before, target, self.cfg.calibration_bins, constant=None if prior != prior else prior)
         skill = cal.skill if prior == prior else float("nan")
+        roots = _root_calibration(before, target, is_root > 0, float(self.prior_root_mean))
         self.prior_mean.fill_(float(target.mean()))
         for prior, of_kind in ((self.prior_root_mean, is_root > 0), (self.prior_prefix_mean, is_root == 0)):
             if bool(of_kind.any()):  # a step without prefixes keeps the last prefix mean
@@ -141,6 +142,7 @@ class Predictor(ABC, nn.Module):
             "predictor/ece": cal.ece,
             "predictor/samples": samples.num_total,
             "predictor/prefix_fraction": float(1.0 - is_root.mean()),
+            **roots,
             "_calibration": cal,
         }
 
@@ -184,6 +186,20 @@ class Predictor(ABC, nn.Module):
 
     def build_optimizer(self) -> None:
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+
+def _root_calibration(before: torch.Tensor, target: torch.Tensor, is_root: torch.Tensor, prior: float) -> dict:
+    """Held-out Brier score of the roots alone, against the previous fit's mean root target (the
+    constant `root_head` anchors at; NaN before it exists). The pooled skill is ≈ 95% prefixes and
+    the root plan reads only the roots (docs/allocation.md "All-0 prompts and a level to learn")."""
+    n = int(is_root.sum())
+    if n == 0 or prior != prior:
+        return {"predictor/root_samples": n, "predictor/root_brier": float("nan"),
+                "predictor/root_brier_constant": float("nan"), "predictor/root_skill": float("nan")}
+    brier = float(((before[is_root] - target[is_root]) ** 2).mean())
+    constant = float(((prior - target[is_root]) ** 2).mean())
+    return {"predictor/root_samples": n, "predictor/root_brier": brier, "predictor/root_brier_constant": constant,
+            "predictor/root_skill": 1.0 - brier / constant if constant > 0 else float("nan")}
 
 
 def _anchor(prior: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,6 @@ from each step's record when the predictor fits it (a wrapper around the trainer
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import statistics
 import tempfile
 from pathlib import Path

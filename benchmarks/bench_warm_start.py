@@ -28,7 +28,6 @@ from pathlib import Path
 from harness import RESULTS, ROOT, command_line, parser, print_table, write_json
 
 
-
 def kind(task) -> str:
     """`dry_1`, `ice7_2`, `wall_1`: the task's level as its prompt states it, and its distance."""
     from trace_mega.envs.synthetic import SyntheticToolsEnv
@@ -36,7 +35,7 @@ def kind(task) -> str:
     return f"{SyntheticToolsEnv.kind(task)}_{abs(task.meta['goal'] - task.meta['start'])}"
 
 
-def _per_task(agent, tasks, samples: int, seed: int) -> list[tuple[tuple[float, int], list[float]]]:
+def _per_task(agent, tasks, samples: int, seed: int) -> list[tuple[str, list[float]]]:
     out = []
     for s in range(0, len(tasks), 8):
         batch = tasks[s:s + 8]

@@ -81,6 +81,5 @@ def test_collapse_detection_and_pooled_skill():
              "predictor/samples": 10}]
     assert pooled_skill(rows) == pytest.approx(1 - 0.11 / 0.202)
     # the roots' own pooled skill reads the root_ keys
-    roots = [{f"predictor/root_{k}": v for k, v in r.items() if k != "predictor/samples" for k in [k.split("/")[1]]}
-             | {"predictor/root_samples": 2} for r in rows]
+    roots = [{k.replace("predictor/", "predictor/root_"): v for k, v in r.items()} for r in rows]
     assert pooled_skill(roots, "root_") == pytest.approx(1 - 0.11 / 0.202)

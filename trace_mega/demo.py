@@ -33,8 +33,8 @@ from trace_mega.telemetry import plot_curves, read_metrics
 
 METHODS = ("uniform", "treepo", "trace")
 REPORT_KEYS = ("effective_ratio_mean", "contrasted_prompts_mean", "active_prompts_mean", "contrasted_groups_mean",
-               "predictor_fallback_frac", "predictor_skill_mean", "predictor_root_skill_mean", "reward_first10", "reward_last10", "eval_reward_final",
-               "trajectories_per_step", "generated_tokens_per_step", "wall_s")
+               "predictor_fallback_frac", "predictor_skill_mean", "predictor_root_skill_mean", "reward_first10",
+               "reward_last10", "eval_reward_final", "trajectories_per_step", "generated_tokens_per_step", "wall_s")
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:

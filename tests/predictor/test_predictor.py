@@ -266,6 +266,9 @@ def test_root_token_bag_reads_a_word_the_last_tokens_state_does_not_carry():
         errs[bag] = float((pred.predict(packed, s.node, hidden) - s.target).abs().max())
     assert errs[False] > 0.2  # both kinds at their mean, 0.25
     assert errs[True] < 0.05
+    # scoring prefixes alone (no root among the nodes, as for the prefix plan) leaves the bag out
+    turns = torch.nonzero(packed.node_parent >= 0).flatten()
+    assert pred.predict(packed, turns, hidden).shape == turns.shape
     # the bag's weights moved only on the prompts' tokens, and most on the word that decides
     w = pred.root_bag.detach()
     assert w[6] == 0 and w[1] < -1.0 and w[1] < w[2]

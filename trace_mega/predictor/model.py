@@ -194,12 +194,12 @@ def _root_calibration(before: torch.Tensor, target: torch.Tensor, is_root: torch
     the root plan reads only the roots (docs/allocation.md "All-0 prompts and a level to learn")."""
     n = int(is_root.sum())
     if n == 0 or prior != prior:
-        return {"predictor/root_samples": n, "predictor/root_brier": float("nan"),
-                "predictor/root_brier_constant": float("nan"), "predictor/root_skill": float("nan")}
-    brier = float(((before[is_root] - target[is_root]) ** 2).mean())
-    constant = float(((prior - target[is_root]) ** 2).mean())
-    return {"predictor/root_samples": n, "predictor/root_brier": brier, "predictor/root_brier_constant": constant,
-            "predictor/root_skill": 1.0 - brier / constant if constant > 0 else float("nan")}
+        nan = float("nan")
+        return {"predictor/root_samples": n, "predictor/root_brier": nan, "predictor/root_brier_constant": nan,
+                "predictor/root_skill": nan}
+    cal = calibration(before[is_root], target[is_root], constant=prior)
+    return {"predictor/root_samples": n, "predictor/root_brier": cal.brier,
+            "predictor/root_brier_constant": cal.brier_constant, "predictor/root_skill": cal.skill}
 
 
 def _anchor(prior: torch.Tensor) -> torch.Tensor:
@@ -239,8 +239,9 @@ class ValueHeadPredictor(Predictor):
         is_root = (packed.node_parent[nodes] < 0).to(out.device)
         root = self._scores(hidden, positions, self.root_head)
         if self.root_bag is not None:
-            roots = nodes.to(out.device)[is_root]
-            root = root.masked_scatter(is_root, root[is_root] + _node_token_sums(packed, self.root_bag.view(-1), roots).to(root))
+            bag = torch.zeros_like(root)
+            bag[is_root] = _node_token_sums(packed, self.root_bag, nodes[is_root.cpu()]).to(root)
+            root = root + bag
         return torch.where(is_root, root, out)
 
     @staticmethod
@@ -250,16 +251,16 @@ class ValueHeadPredictor(Predictor):
 
 
 def _node_token_sums(packed: PackedTrees, weight: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-    """(S,) Σ weight[token] over the tokens of each of `nodes` (S,): a bag-of-tokens logit
-    (`weight` (V,) a width-1 embedding), differentiable in `weight`."""
+    """(S,) Σ weight[token] over the tokens of each of `nodes` (S,): a bag-of-tokens logit, `weight`
+    (V,) a width-1 embedding. Reads only those nodes' tokens (a node's are one stream range)."""
     dev = weight.device
-    tok_node = packed.token_node.to(dev)  # (T,)
-    slot = torch.full((packed.num_nodes,), -1, dtype=torch.long, device=dev)
-    slot[nodes.to(dev)] = torch.arange(nodes.numel(), device=dev)
-    tok_slot = slot[tok_node]
-    keep = tok_slot >= 0  # only the selected nodes' tokens: prompts are a small share of a tree
-    return torch.zeros(nodes.numel(), device=dev, dtype=weight.dtype).index_add(
-        0, tok_slot[keep], weight[packed.tokens.to(dev)[keep]])
+    start, end = packed.node_start[nodes.cpu()], packed.node_end[nodes.cpu()]  # (S,) stream ranges
+    lens = end - start
+    first = lens.cumsum(0) - lens  # (S,) offsets of the bags in their concatenation
+    owner = torch.repeat_interleave(torch.arange(nodes.numel()), lens)
+    idx = torch.arange(int(lens.sum())) + (start - first)[owner]  # (Σ lens,) stream indices
+    bags = F.embedding_bag(packed.tokens[idx].to(dev), weight.view(-1, 1), first.to(dev), mode="sum")
+    return bags.view(-1)
 
 
 class _Block(nn.Module):

@@ -8,6 +8,7 @@ their package's data (pyproject.toml). The Triton kernels live in
 (any run from the checkout's root) shadows the Hugging Face `kernels` package,
 which `transformers` >= 5.25 imports when it finds one.
 """
+
 from setuptools import find_packages, setup
 
 MAPPED = {"trace_mega.configs": "configs", "trace_mega.benchmarks": "benchmarks"}

@@ -12,6 +12,7 @@ path can only run there through the interpreter, which is not a timing.
     python benchmarks/bench_allocation_kernel.py [--json PATH]
     trace-mega bench allocation_kernel [--json PATH]
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,23 +39,31 @@ def main(argv: list[str] | None = None) -> dict:
     budget = torch.tensor(rng.integers(0, 17, G))
     cap = budget[group]
     width = int(torch.bincount(group).max())
-    rows = {"cpu_roots_s": _time(lambda: allocate_roots(v, 32768, 16, check=False)),
-            "cpu_prefix_torch_s": _time(lambda: segmented_threshold(flip, group, budget, cap, max_group_size=width))}
+    rows = {
+        "cpu_roots_s": _time(lambda: allocate_roots(v, 32768, 16, check=False)),
+        "cpu_prefix_torch_s": _time(lambda: segmented_threshold(flip, group, budget, cap, max_group_size=width)),
+    }
     if torch.cuda.is_available():
         d = [t.cuda() for t in (v, flip, group, budget, cap)]
-        rows["gpu_roots_s"] = _time(lambda: allocate_roots(d[0], torch.tensor(32768, device="cuda"), 16, check=False),
-                                    "cuda")
+        rows["gpu_roots_s"] = _time(
+            lambda: allocate_roots(d[0], torch.tensor(32768, device="cuda"), 16, check=False), "cuda"
+        )
         k_t = segmented_threshold(*d[1:], backend="torch", max_group_size=width)
         k_k = segmented_threshold(*d[1:], backend="triton", max_group_size=width)
         rows["gpu_prefix_torch_s"] = _time(lambda: segmented_threshold(*d[1:], max_group_size=width), "cuda")
         rows["gpu_prefix_triton_s"] = _time(
-            lambda: segmented_threshold(*d[1:], backend="triton", max_group_size=width), "cuda")
+            lambda: segmented_threshold(*d[1:], backend="triton", max_group_size=width), "cuda"
+        )
         rows["triton_equals_torch"] = bool(torch.equal(k_t, k_k))
         rows["triton_speedup_vs_torch"] = rows["gpu_prefix_torch_s"] / rows["gpu_prefix_triton_s"]
     else:
-        rows["note"] = "no CUDA device: Triton runs only in the interpreter here, so only the CPU tensor program is timed"
-    print_table([{"measurement": k, "value": f"{val:.5f}" if isinstance(val, float) else str(val)}
-                 for k, val in rows.items()], [("measurement", "measurement", "<"), ("value", "value", "<")])
+        rows["note"] = (
+            "no CUDA device: Triton runs only in the interpreter here, so only the CPU tensor program is timed"
+        )
+    print_table(
+        [{"measurement": k, "value": f"{val:.5f}" if isinstance(val, float) else str(val)} for k, val in rows.items()],
+        [("measurement", "measurement", "<"), ("value", "value", "<")],
+    )
     write_json(rows, args.json)
     return rows
 

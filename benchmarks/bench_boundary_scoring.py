@@ -13,6 +13,7 @@ every rollout is re-encoded separately vs the packed stream encoded once.
     python benchmarks/bench_boundary_scoring.py [--T 8192 --H 512 --P 1024] [--json out.json]
     trace-mega bench boundary_scoring [same options]
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,15 @@ def model_level_tokens(rollouts, turns, prompt_len, turn_len):
     """Backbone tokens: re-encoding every prefix separately vs one packed pass."""
     per_prefix = rollouts * sum(prompt_len + k * turn_len for k in range(1, turns + 1))
     packed = rollouts * (prompt_len + turns * turn_len)
-    return {"rollouts": rollouts, "turns": turns, "prompt_len": prompt_len, "turn_len": turn_len,
-            "per_prefix_tokens": per_prefix, "packed_tokens": packed,
-            "tokens_ratio": per_prefix / packed}
+    return {
+        "rollouts": rollouts,
+        "turns": turns,
+        "prompt_len": prompt_len,
+        "turn_len": turn_len,
+        "per_prefix_tokens": per_prefix,
+        "packed_tokens": packed,
+        "tokens_ratio": per_prefix / packed,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,8 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trace_mega.kernels.boundary_scoring_ref import boundary_scores_reference
 
     p = parser(__doc__, None)
-    p.add_argument("--device", choices=["cpu", "cuda"],
-                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--T", type=int, default=None)
     p.add_argument("--H", type=int, default=None)
     p.add_argument("--P", type=int, default=None)
@@ -57,15 +63,14 @@ def main(argv: list[str] | None = None) -> dict:
     dt = getattr(torch, dtype)
     g = torch.Generator(device=dev).manual_seed(0)
     hidden = torch.randn(T, H, device=dev, generator=g).to(dt)
-    w = (torch.randn(H, device=dev, generator=g) / H ** 0.5).to(dt)
+    w = (torch.randn(H, device=dev, generator=g) / H**0.5).to(dt)
     b = torch.zeros((), device=dev, dtype=dt)
     pos = torch.sort(torch.randint(0, T, (P,), device=dev, generator=g)).values
     print(f"boundary_scoring benchmark on {dev}: T={T} H={H} P={P} {dtype}", flush=True)
 
     def loop(hh, ww, bb):
         # one call per prefix; the positions are host ints as a per-prefix caller has them
-        return torch.stack([torch.sigmoid(hh[i].float() @ ww.float() + bb.float())
-                            for i in pos_list])
+        return torch.stack([torch.sigmoid(hh[i].float() @ ww.float() + bb.float()) for i in pos_list])
 
     pos_list = pos.tolist()
     methods = {
@@ -94,34 +99,65 @@ def main(argv: list[str] | None = None) -> dict:
             sec = timeit(step, reps=reps, device=dev)
             # compulsory traffic: the P gathered rows (+ the dense dhidden in the backward)
             nbytes = P * H * eb + H * eb + 8 * P + (T * H * eb + P * H * eb) * (mode == "fwd_bwd")
-            rows.append({"method": name, "mode": mode, "T": T, "H": H, "P": P, "dtype": dtype,
-                         "seconds": sec, "eff_bandwidth_gbs": nbytes / sec / 1e9,
-                         "max_abs_err_vs_ref": err})
-            print(f"  {name:16s} {mode:8s} {sec * 1e3:10.3f} ms  {nbytes / sec / 1e9:8.2f} GB/s"
-                  f"  err {err:.1e}", flush=True)
+            rows.append(
+                {
+                    "method": name,
+                    "mode": mode,
+                    "T": T,
+                    "H": H,
+                    "P": P,
+                    "dtype": dtype,
+                    "seconds": sec,
+                    "eff_bandwidth_gbs": nbytes / sec / 1e9,
+                    "max_abs_err_vs_ref": err,
+                }
+            )
+            print(
+                f"  {name:16s} {mode:8s} {sec * 1e3:10.3f} ms  {nbytes / sec / 1e9:8.2f} GB/s  err {err:.1e}",
+                flush=True,
+            )
     by = {(r["method"], r["mode"]): r for r in rows}
     for r in rows:
         r["speedup_vs_loop"] = by[("per_prefix_loop", r["mode"])]["seconds"] / r["seconds"]
         r["speedup_vs_unfused"] = by[("unfused", r["mode"])]["seconds"] / r["seconds"]
     print()
-    print_table([r | {"ms": r["seconds"] * 1e3} for r in rows], cols=[
-        ("method", "method", "<"), ("mode", "mode", "<"), ("ms", "time ms", ".3f"),
-        ("eff_bandwidth_gbs", "GB/s", ".2f"), ("speedup_vs_loop", "vs loop", ".1f"),
-        ("speedup_vs_unfused", "vs unfused", ".2f")])
+    print_table(
+        [r | {"ms": r["seconds"] * 1e3} for r in rows],
+        cols=[
+            ("method", "method", "<"),
+            ("mode", "mode", "<"),
+            ("ms", "time ms", ".3f"),
+            ("eff_bandwidth_gbs", "GB/s", ".2f"),
+            ("speedup_vs_loop", "vs loop", ".1f"),
+            ("speedup_vs_unfused", "vs unfused", ".2f"),
+        ],
+    )
     model = model_level_tokens(rollouts=64, turns=8, prompt_len=512, turn_len=256)
-    print(f"\nmodel level: re-encoding each prefix = {model['per_prefix_tokens']} backbone "
-          f"tokens vs {model['packed_tokens']} packed once ({model['tokens_ratio']:.1f}x), "
-          f"for {model['rollouts']} rollouts x {model['turns']} turns")
-    summary = {f"{m}_{mode}_speedup_vs_loop": by[(m, mode)]["speedup_vs_loop"]
-               for m in ("unfused", "fused") for mode in ("fwd", "fwd_bwd")}
-    summary.update({f"fused_{mode}_speedup_vs_unfused": by[("fused", mode)]["speedup_vs_unfused"]
-                    for mode in ("fwd", "fwd_bwd")})
+    print(
+        f"\nmodel level: re-encoding each prefix = {model['per_prefix_tokens']} backbone "
+        f"tokens vs {model['packed_tokens']} packed once ({model['tokens_ratio']:.1f}x), "
+        f"for {model['rollouts']} rollouts x {model['turns']} turns"
+    )
+    summary = {
+        f"{m}_{mode}_speedup_vs_loop": by[(m, mode)]["speedup_vs_loop"]
+        for m in ("unfused", "fused")
+        for mode in ("fwd", "fwd_bwd")
+    }
+    summary.update(
+        {f"fused_{mode}_speedup_vs_unfused": by[("fused", mode)]["speedup_vs_unfused"] for mode in ("fwd", "fwd_bwd")}
+    )
     if gpu:
         summary["fused_fwd_hbm_utilisation"] = by[("fused", "fwd")]["eff_bandwidth_gbs"] / H200_HBM_GBS
     print("summary:", json.dumps(summary, indent=1))
-    out = {"op": "boundary_scoring", "device": dev, "config": vars(args) | {"T": T, "H": H, "P": P},
-           "rows": rows, "model_level": model, "summary": summary,
-           "fused_backend": "triton" if gpu else "torch (same ops as unfused on CPU)"}
+    out = {
+        "op": "boundary_scoring",
+        "device": dev,
+        "config": vars(args) | {"T": T, "H": H, "P": P},
+        "rows": rows,
+        "model_level": model,
+        "summary": summary,
+        "fused_backend": "triton" if gpu else "torch (same ops as unfused on CPU)",
+    }
     write_json(out, RESULTS / dev / "bench_boundary_scoring.json" if args.json is None else args.json)
     return out
 

@@ -19,6 +19,7 @@ the context resolved the asked key.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_credit_auc.py [--policy HF_DIR] [--tasks N] \
         [--rollouts N] [--json PATH] [key=value ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,14 +50,20 @@ def main(argv=None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pretrain-config", default=str(ROOT / "configs" / "pretrain_search.yaml"))
-    ap.add_argument("--train-config", default=str(ROOT / "configs" / "credit_demo.yaml"),
-                    help="config whose credit settings (epsilon, lookahead_turns, gamma_td) score the turns")
+    ap.add_argument(
+        "--train-config",
+        default=str(ROOT / "configs" / "credit_demo.yaml"),
+        help="config whose credit settings (epsilon, lookahead_turns, gamma_td) score the turns",
+    )
     ap.add_argument("--tasks", type=int, default=64, help="tasks rolled out")
     ap.add_argument("--rollouts", type=int, default=4, help="rollouts per task")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policy", default=None,
-                    help="HF checkpoint that rolls out (default: the warm start), e.g. an RL-trained policy "
-                         "exported with checkpoint.export_hf_at_end; the references are the same either way")
+    ap.add_argument(
+        "--policy",
+        default=None,
+        help="HF checkpoint that rolls out (default: the warm start), e.g. an RL-trained policy "
+        "exported with checkpoint.export_hf_at_end; the references are the same either way",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the pretrain config")
     ap.add_argument("--json", default=str(ROOT / "bench_results" / "cpu" / "bench_credit_auc.json"))
     args = ap.parse_args(argv)
@@ -72,8 +79,9 @@ def main(argv=None) -> dict:
     env = build_env(pcfg.env.name, **pcfg.env.options)
     tasks = env.tasks("train")[: args.tasks]
     rc = RolloutConfig(max_turns=pcfg.max_turns, max_new_tokens_per_turn=3, max_total_tokens=512)
-    actor = warm if args.policy is None else (
-        AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval())
+    actor = (
+        warm if args.policy is None else (AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval())
+    )
     engine = TorchEngine(actor, eos_token_ids=[tok.eos_token_id])
     with AgentLoop(env, engine, tok, rc) as loop:
         trees = loop.rollout(tasks, [args.rollouts] * len(tasks), seed=args.seed)
@@ -83,8 +91,9 @@ def main(argv=None) -> dict:
     # The credit demo's settings (ε, look-ahead, γ_td): the AUCs are those the demo's trainer logs.
     credit = dataclasses.replace(load_yaml(TrainConfig, args.train_config).credit, enabled=True)
     if credit.answer_template != ANSWER_TEMPLATE:
-        raise SystemExit(f"{args.train_config}: credit.answer_template must be {ANSWER_TEMPLATE!r} "
-                         "for synthetic_search")
+        raise SystemExit(
+            f"{args.train_config}: credit.answer_template must be {ANSWER_TEMPLATE!r} for synthetic_search"
+        )
     encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
 
     # Decisive turns: the turn after which the context first resolves the asked key (the only turns a
@@ -94,8 +103,7 @@ def main(argv=None) -> dict:
         return resolve_in_context(words, t.meta["chain"][0]) is not None
 
     res_at = [[resolved(t, i) for i in range(len(t))] for t in trees]
-    decisive = [[None] + [r[i] and not r[n.parent] for i, n in enumerate(t.nodes) if i]
-                for t, r in zip(trees, res_at)]
+    decisive = [[None] + [r[i] and not r[n.parent] for i, n in enumerate(t.nodes) if i] for t, r in zip(trees, res_at)]
 
     # Useful turns split by what they revealed: a pointer of the gold chain only ("hop") or its value.
     def kinds(t):
@@ -116,9 +124,12 @@ def main(argv=None) -> dict:
 
     def breakdown(ell):
         hop = credit_accuracy(packed, trees, ell, hops_only, credit)
-        m = {"auc_value_vs_other": credit_accuracy(packed, trees, ell, no_hops, credit)["credit/auc"],
-             "auc_hop_vs_other": hop["credit/auc"], "auc_R_hop_vs_other": hop["credit/auc_R"],
-             "delta_hop": hop["credit/delta_useful"]}
+        m = {
+            "auc_value_vs_other": credit_accuracy(packed, trees, ell, no_hops, credit)["credit/auc"],
+            "auc_hop_vs_other": hop["credit/auc"],
+            "auc_R_hop_vs_other": hop["credit/auc_R"],
+            "delta_hop": hop["credit/delta_useful"],
+        }
         for h, g in grid:
             c = dataclasses.replace(credit, lookahead_turns=h, gamma_td=g)
             m[f"auc_R_h{h}_g{g}"] = credit_accuracy(packed, trees, ell, labels, c)["credit/auc_R"]
@@ -163,33 +174,46 @@ def main(argv=None) -> dict:
             if resolve_in_context(words, t.meta["chain"][0]) is not None:
                 resolved += 1
                 correct += int(node.reward > 0.5)
-    out = {"checkpoint": str(ckpt), "policy": args.policy or str(ckpt), "trajectories": len(rewards),
-           "reward_mean": sum(rewards) / len(rewards),
-           "answers_after_resolution": resolved, "reading_accuracy": correct / max(resolved, 1),
-           "turns_scored": rows["warm_start"]["credit/useful_turns"] + rows["warm_start"]["credit/other_turns"],
-           "references": rows}
+    out = {
+        "checkpoint": str(ckpt),
+        "policy": args.policy or str(ckpt),
+        "trajectories": len(rewards),
+        "reward_mean": sum(rewards) / len(rewards),
+        "answers_after_resolution": resolved,
+        "reading_accuracy": correct / max(resolved, 1),
+        "turns_scored": rows["warm_start"]["credit/useful_turns"] + rows["warm_start"]["credit/other_turns"],
+        "references": rows,
+    }
     who = "the warm policy" if args.policy is None else args.policy
-    print(f"{len(rewards)} trajectories of {who}, reward {out['reward_mean']:.3f}, reading accuracy "
-          f"{out['reading_accuracy']:.3f} over {resolved} answers after the chain was resolved")
-    print("| reference | credit/auc (δ) | credit/auc_R | mean δ useful | mean δ other | useful / other turns | "
-          "AUC of δ, decisive turns |")
+    print(
+        f"{len(rewards)} trajectories of {who}, reward {out['reward_mean']:.3f}, reading accuracy "
+        f"{out['reading_accuracy']:.3f} over {resolved} answers after the chain was resolved"
+    )
+    print(
+        "| reference | credit/auc (δ) | credit/auc_R | mean δ useful | mean δ other | useful / other turns | "
+        "AUC of δ, decisive turns |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, m in rows.items():
         m.setdefault("probe_s", 0.0)
-        print(f"| {name} | {m['credit/auc']:.3f} | {m['credit/auc_R']:.3f} | {m['credit/delta_useful']:.3f} | "
-              f"{m['credit/delta_other']:.3f} | {m['credit/useful_turns']:.0f} / {m['credit/other_turns']:.0f} | "
-              f"{m['auc_decisive']:.3f} |")
+        print(
+            f"| {name} | {m['credit/auc']:.3f} | {m['credit/auc_R']:.3f} | {m['credit/delta_useful']:.3f} | "
+            f"{m['credit/delta_other']:.3f} | {m['credit/useful_turns']:.0f} / {m['credit/other_turns']:.0f} | "
+            f"{m['auc_decisive']:.3f} |"
+        )
     n_kind = {k: sum(ks.count(k) for ks in turn_kind) for k in ("hop", "value", "other")}
     out["scored_turn_kinds"] = n_kind
     print(f"\nuseful turns split (all turns, answers included in other): {n_kind}")
-    print("| reference | mean δ, hops | AUC δ, hops vs other | AUC δ, value reveals vs other (hops left out) | "
-          "AUC R, hops vs other (values left out) | "
-          + " | ".join(f"AUC R h={h} γ={g}" for h, g in grid) + " |")
+    print(
+        "| reference | mean δ, hops | AUC δ, hops vs other | AUC δ, value reveals vs other (hops left out) | "
+        "AUC R, hops vs other (values left out) | " + " | ".join(f"AUC R h={h} γ={g}" for h, g in grid) + " |"
+    )
     print("|---|---|---|---|---|" + "---|" * len(grid))
     for name, m in rows.items():
-        print(f"| {name} | {m['delta_hop']:.3f} | {m['auc_hop_vs_other']:.3f} | {m['auc_value_vs_other']:.3f} | "
-              f"{m['auc_R_hop_vs_other']:.3f} | "
-              + " | ".join(f"{m[f'auc_R_h{h}_g{g}']:.3f}" for h, g in grid) + " |")
+        print(
+            f"| {name} | {m['delta_hop']:.3f} | {m['auc_hop_vs_other']:.3f} | {m['auc_value_vs_other']:.3f} | "
+            f"{m['auc_R_hop_vs_other']:.3f} | " + " | ".join(f"{m[f'auc_R_h{h}_g{g}']:.3f}" for h, g in grid) + " |"
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     return out

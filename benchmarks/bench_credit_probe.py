@@ -21,6 +21,7 @@ Usage::
 `main(argv) -> dict` is importable; results go to bench_results/cpu/bench_credit_probe.json
 by default.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,7 +45,7 @@ def make_trajectory(T: int, K: int, answer_len: int, vocab: int, seed: int):
     for k in range(K + 1):
         n = turn if k < K else T - pos  # the final turn takes the remainder
         kind = "tool" if k < K else "final"
-        nid = tree.add_node(nid, Node(nid, ids[pos:pos + n], [1] * n, [0.0] * n, kind=kind))
+        nid = tree.add_node(nid, Node(nid, ids[pos : pos + n], [1] * n, [0.0] * n, kind=kind))
         pos += n
     tree.nodes[nid].reward = 1.0
     tmpl_ids = torch.randint(0, vocab, (TEMPLATE_LEN,), generator=g).tolist()
@@ -73,9 +74,16 @@ def tiny_reference(vocab: int, hidden: int, layers: int, max_pos: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                      max_position_embeddings=max_pos)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=max_pos,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
@@ -94,16 +102,34 @@ def run(T: int, answer_len: int, ks: list[int], repeats: int, vocab: int, hidden
         # best of `repeats`; the two ℓ̄ computations above were the warm-up
         t_packed = timeit(lambda: reference_probe(fwd, [tree], tokenize, "T"), reps=repeats, warmup=0, reduce="min")
         t_sep = timeit(lambda: separate_probe(model, tree, tokenize), reps=repeats, warmup=0, reduce="min")
-        rows.append({
-            "K": K, "probes": K + 1, "T": T, "answer_len": answer_len,
-            "packed_tokens": packed_tokens, "separate_tokens": sep_tokens,
-            "token_ratio": sep_tokens / packed_tokens,
-            "packed_s": t_packed, "separate_s": t_sep, "speedup": t_sep / t_packed,
-            "max_abs_diff_ell": float((ell_packed - ell_sep).abs().max()),
-        })
-    return {"device": "cpu", "torch_threads": torch.get_num_threads(), "model": {
-        "kind": "transformers Qwen3 (random init, fp32, sdpa)", "vocab": vocab, "hidden": hidden,
-        "layers": layers}, "template_len": TEMPLATE_LEN, "repeats": repeats, "rows": rows}
+        rows.append(
+            {
+                "K": K,
+                "probes": K + 1,
+                "T": T,
+                "answer_len": answer_len,
+                "packed_tokens": packed_tokens,
+                "separate_tokens": sep_tokens,
+                "token_ratio": sep_tokens / packed_tokens,
+                "packed_s": t_packed,
+                "separate_s": t_sep,
+                "speedup": t_sep / t_packed,
+                "max_abs_diff_ell": float((ell_packed - ell_sep).abs().max()),
+            }
+        )
+    return {
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "model": {
+            "kind": "transformers Qwen3 (random init, fp32, sdpa)",
+            "vocab": vocab,
+            "hidden": hidden,
+            "layers": layers,
+        },
+        "template_len": TEMPLATE_LEN,
+        "repeats": repeats,
+        "rows": rows,
+    }
 
 
 def main(argv=None) -> dict:
@@ -116,12 +142,29 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args(argv)
-    res = run(args.T, args.answer_len, [int(k) for k in args.ks.split(",")], args.repeats, args.vocab,
-              args.hidden, args.layers)
-    print_table(res["rows"], [
-        ("K", "K", "d"), ("probes", "probes", "d"), ("packed_tokens", "packed tok", "d"),
-        ("separate_tokens", "separate tok", "d"), ("token_ratio", "tok ratio", ".2f"), ("packed_s", "packed s", ".4f"),
-        ("separate_s", "separate s", ".4f"), ("speedup", "speedup", ".2f"), ("max_abs_diff_ell", "max|dl|", ".1e")])
+    res = run(
+        args.T,
+        args.answer_len,
+        [int(k) for k in args.ks.split(",")],
+        args.repeats,
+        args.vocab,
+        args.hidden,
+        args.layers,
+    )
+    print_table(
+        res["rows"],
+        [
+            ("K", "K", "d"),
+            ("probes", "probes", "d"),
+            ("packed_tokens", "packed tok", "d"),
+            ("separate_tokens", "separate tok", "d"),
+            ("token_ratio", "tok ratio", ".2f"),
+            ("packed_s", "packed s", ".4f"),
+            ("separate_s", "separate s", ".4f"),
+            ("speedup", "speedup", ".2f"),
+            ("max_abs_diff_ell", "max|dl|", ".1e"),
+        ],
+    )
     write_json(res, args.json)
     return res
 

@@ -9,6 +9,7 @@ records the numbers before and after the step record).
 
     python benchmarks/bench_policy_forwards.py [--steps 3] [--json PATH] [key=value ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo_cpu.yaml"))
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", default="bench_results/bench_policy_forwards.json", help="write results here ('' = do not)")
+    ap.add_argument(
+        "--json", default="bench_results/bench_policy_forwards.json", help="write results here ('' = do not)"
+    )
     ap.add_argument("--out", default="/tmp/bench_policy_forwards", help="the runs' telemetry.out_dir")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. allocation.name=uniform")
     args = ap.parse_args(argv)
@@ -32,22 +35,38 @@ def main(argv: list[str] | None = None) -> dict:
     from trace_mega.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = load_yaml(TrainConfig, args.config, [f"steps={args.steps}", f"telemetry.out_dir={args.out}",
-                                               "telemetry.tensorboard=false", "telemetry.progress_bars=false",
-                                               *args.overrides])
+    cfg = load_yaml(
+        TrainConfig,
+        args.config,
+        [
+            f"steps={args.steps}",
+            f"telemetry.out_dir={args.out}",
+            "telemetry.tensorboard=false",
+            "telemetry.progress_bars=false",
+            *args.overrides,
+        ],
+    )
     trainer = Trainer(cfg)
     calls: list[tuple[int, bool]] = []
     trainer.learner.policy.register_forward_pre_hook(
         lambda mod, a, kw: calls.append((int((a[0] if a else kw["input_ids"]).shape[1]), torch.is_grad_enabled())),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     rows = []
     real_log = trainer.sink.log
 
     def log(step, metrics, tag=""):
-        rows.append({"step": step, "allocator": tag.strip(" []"),
-                     "no_grad_calls": [n for n, g in calls if not g], "grad_calls": [n for n, g in calls if g],
-                     "no_grad_tokens": sum(n for n, g in calls if not g), "grad_tokens": sum(n for n, g in calls if g),
-                     "trajectories": metrics["alloc/trajectories"]})
+        rows.append(
+            {
+                "step": step,
+                "allocator": tag.strip(" []"),
+                "no_grad_calls": [n for n, g in calls if not g],
+                "grad_calls": [n for n, g in calls if g],
+                "no_grad_tokens": sum(n for n, g in calls if not g),
+                "grad_tokens": sum(n for n, g in calls if g),
+                "trajectories": metrics["alloc/trajectories"],
+            }
+        )
         calls.clear()
         return real_log(step, metrics, tag=tag)
 
@@ -58,8 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.close()
     print("step  allocator  no-grad passes (tokens)       training (tokens)  total")
     for r in rows:
-        print(f"{r['step']:>4}  {r['allocator']:<9}  {str(r['no_grad_calls']):<28}  {str(r['grad_calls']):<17}  "
-              f"{r['no_grad_tokens'] + r['grad_tokens']}")
+        print(
+            f"{r['step']:>4}  {r['allocator']:<9}  {str(r['no_grad_calls']):<28}  {str(r['grad_calls']):<17}  "
+            f"{r['no_grad_tokens'] + r['grad_tokens']}"
+        )
     result = {"config": args.config, "overrides": args.overrides, "steps": rows}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

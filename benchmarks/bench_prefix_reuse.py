@@ -15,6 +15,7 @@ seeds is expected to match too).
 `main(argv) -> dict` is importable. The vLLM rows run when `vllm` is
 importable (e.g. in .venv-vllm; set VLLM_CPU_KVCACHE_SPACE=1 on CPU).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,16 +32,24 @@ def _tiny_model(args):
     import transformers
 
     cfg = transformers.Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
-        head_dim=64, initializer_range=0.2, max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 128),
+        head_dim=64,
+        initializer_range=0.2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def _run_turns(engine, histories: list[list[int]], turns: int, args, seed: int, rng: random.Random,
-               counts: dict[str, int]):
+def _run_turns(
+    engine, histories: list[list[int]], turns: int, args, seed: int, rng: random.Random, counts: dict[str, int]
+):
     """Advance every history by `turns` (generate, then append an observation); returns completions per
     turn and adds the prompt / cached / generated token counts of every request to `counts`."""
     out = []
@@ -51,7 +60,9 @@ def _run_turns(engine, histories: list[list[int]], turns: int, args, seed: int, 
         counts["cached"] += sum(c.cached_prefix_tokens for c in comps)
         counts["generated"] += sum(len(c.token_ids) for c in comps)
         out.append(comps)
-        histories = [h + c.token_ids + [rng.randrange(args.vocab) for _ in range(args.obs)] for h, c in zip(histories, comps)]
+        histories = [
+            h + c.token_ids + [rng.randrange(args.vocab) for _ in range(args.obs)] for h, c in zip(histories, comps)
+        ]
     return histories, out
 
 
@@ -93,9 +104,17 @@ def _engines(names: list[str], args, model, tmp: str):
             if name == "torch":
                 yield name, reuse, ENGINES.get("torch")(model, enable_prefix_caching=reuse)
             else:
-                yield name, reuse, ENGINES.get("vllm")(
-                    tmp, dtype="float32", enable_prefix_caching=reuse, max_model_len=4096,
-                    max_num_seqs=64, block_size=32,
+                yield (
+                    name,
+                    reuse,
+                    ENGINES.get("vllm")(
+                        tmp,
+                        dtype="float32",
+                        enable_prefix_caching=reuse,
+                        max_model_len=4096,
+                        max_num_seqs=64,
+                        block_size=32,
+                    ),
                 )
 
 
@@ -147,15 +166,33 @@ def main(argv=None) -> dict:
         with_r["speedup"] = round(without["seconds"] / max(with_r["seconds"], 1e-9), 3)
         with_r["samples_identical"] = samples[(name, True)] == samples[(name, False)]
 
-    print_table(rows, [(c, c, "") for c in ("engine", "reuse", "prompt_tokens", "prefill_tokens", "cached_prefill_tokens",
-                                            "generated_tokens", "seconds")])
+    print_table(
+        rows,
+        [
+            (c, c, "")
+            for c in (
+                "engine",
+                "reuse",
+                "prompt_tokens",
+                "prefill_tokens",
+                "cached_prefill_tokens",
+                "generated_tokens",
+                "seconds",
+            )
+        ],
+    )
     for r in rows:
         if r["reuse"]:
-            print(f"{r['engine']}: prefill avoided {100 * r['prefill_avoided_frac']:.1f}%, "
-                  f"speedup {r['speedup']}x, samples identical with/without reuse: {r['samples_identical']}")
+            print(
+                f"{r['engine']}: prefill avoided {100 * r['prefill_avoided_frac']:.1f}%, "
+                f"speedup {r['speedup']}x, samples identical with/without reuse: {r['samples_identical']}"
+            )
     result = {
         "command": command_line(__file__, argv),
-        "workload": {k: getattr(args, k) for k in ("prompts", "m", "k", "turns", "branch_turn", "prompt", "gen", "obs", "layers", "hidden", "vocab")},
+        "workload": {
+            k: getattr(args, k)
+            for k in ("prompts", "m", "k", "turns", "branch_turn", "prompt", "gen", "obs", "layers", "hidden", "vocab")
+        },
         "torch_threads": torch.get_num_threads(),
         "rows": rows,
     }

@@ -19,6 +19,7 @@ predictor, each allocator's plan is bucketed by the prompt's TRUE success p:
     python benchmarks/bench_rare_successes.py [--steps 200] [--seeds 3] [--json PATH]
     trace-mega bench rare_successes [same options]
 """
+
 from __future__ import annotations
 
 import statistics
@@ -35,8 +36,15 @@ BUCKETS = {"rare": (1 / 16, 3 / 16), "mid": (0.25, 0.75)}
 
 
 def _config(name: str, exploration: float = 0.0) -> AllocationConfig:
-    return AllocationConfig(name=name, prompts_per_step=256, root_rollouts_per_step=256, rollouts_per_prompt_max=8,
-                            group_size=4, continuations_per_rollout=1.0, exploration_fraction=exploration)
+    return AllocationConfig(
+        name=name,
+        prompts_per_step=256,
+        root_rollouts_per_step=256,
+        rollouts_per_prompt_max=8,
+        group_size=4,
+        continuations_per_rollout=1.0,
+        exploration_fraction=exploration,
+    )
 
 
 def measure(name: str, predictor: str, steps: int, seed: int, exploration: float = 0.0) -> dict[str, float]:
@@ -71,8 +79,11 @@ def measure(name: str, predictor: str, steps: int, seed: int, exploration: float
             t[3] += int((sel & contrasted).sum())
     out = {"effective_ratio": statistics.fmean(eff)}
     for b, (count, served, traj, con) in tot.items():
-        out |= {f"{b}_served": served / max(count, 1), f"{b}_traj": traj / max(count, 1),
-                f"{b}_contrasted": con / max(count, 1)}
+        out |= {
+            f"{b}_served": served / max(count, 1),
+            f"{b}_traj": traj / max(count, 1),
+            f"{b}_contrasted": con / max(count, 1),
+        }
     return out
 
 
@@ -81,21 +92,37 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args(argv)
-    runs = {"uniform": ("uniform", "oracle", 0.0), "treepo": ("treepo", "oracle", 0.0),
-            "trace (oracle)": ("trace", "oracle", 0.0), "trace (noisy 0.5)": ("trace", "noisy", 0.0),
-            "trace (oracle), exploration 0.125": ("trace", "oracle", 0.125),
-            "trace (oracle), exploration 0.25": ("trace", "oracle", 0.25)}
+    runs = {
+        "uniform": ("uniform", "oracle", 0.0),
+        "treepo": ("treepo", "oracle", 0.0),
+        "trace (oracle)": ("trace", "oracle", 0.0),
+        "trace (noisy 0.5)": ("trace", "noisy", 0.0),
+        "trace (oracle), exploration 0.125": ("trace", "oracle", 0.125),
+        "trace (oracle), exploration 0.25": ("trace", "oracle", 0.25),
+    }
     rows = []
     for label, (name, predictor, exploration) in runs.items():
         per = [measure(name, predictor, args.steps, s, exploration) for s in range(args.seeds)]
-        rows.append({"allocator": label, "exploration_fraction": exploration,
-                     **{k: statistics.fmean(p[k] for p in per) for k in per[0]}})
+        rows.append(
+            {
+                "allocator": label,
+                "exploration_fraction": exploration,
+                **{k: statistics.fmean(p[k] for p in per) for k in per[0]},
+            }
+        )
     cols = [("allocator", "allocator", "<"), ("effective_ratio", "eff", ".3f")]
     for b in BUCKETS:
-        cols += [(f"{b}_served", f"{b} served", ".3f"), (f"{b}_traj", f"{b} traj", ".2f"),
-                 (f"{b}_contrasted", f"{b} contrasted", ".3f")]
-    print_table(rows, cols, title=f"simulator, {args.steps} steps x {args.seeds} seeds; buckets by true p: "
-                                  "rare [1/16, 3/16), mid [0.25, 0.75]")
+        cols += [
+            (f"{b}_served", f"{b} served", ".3f"),
+            (f"{b}_traj", f"{b} traj", ".2f"),
+            (f"{b}_contrasted", f"{b} contrasted", ".3f"),
+        ]
+    print_table(
+        rows,
+        cols,
+        title=f"simulator, {args.steps} steps x {args.seeds} seeds; buckets by true p: "
+        "rare [1/16, 3/16), mid [0.25, 0.75]",
+    )
     result = {"command": command_line(__file__, argv), "rows": rows}
     write_json(result, args.json)
     return result

@@ -15,6 +15,7 @@ with the load of the other jobs; the JSON keeps every repetition.
 
     python benchmarks/bench_rollout_scaling.py [--prompts 32] [--rollouts 4] [--reps 3] [--json PATH]
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,14 +49,21 @@ def _worker(rank: int, world: int, port: int, args: dict, out: dict) -> None:
 
     env = SyntheticToolsEnv(seed=0)
     tok = env.tokenizer
-    cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=args["hidden"], intermediate_size=2 * args["hidden"],
-                                   num_hidden_layers=args["layers"], num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=args["hidden"] // 4, max_position_embeddings=1024)
+    cfg = transformers.Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=args["hidden"],
+        intermediate_size=2 * args["hidden"],
+        num_hidden_layers=args["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args["hidden"] // 4,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)  # the same weights in every replica
     engine = TorchEngine(transformers.AutoModelForCausalLM.from_config(cfg), eos_token_ids=[tok.eos_token_id])
     rc = RolloutConfig(max_turns=args["turns"], max_new_tokens_per_turn=4, max_total_tokens=512, temperature=1.0)
     col = RolloutCollector(env, engine, tok, rc, tool_timeout_s=10.0, layout=ReplicaLayout.from_world())
-    tasks = (env.tasks() * 8)[:args["prompts"]]
+    tasks = (env.tasks() * 8)[: args["prompts"]]
     times, metrics, digest = [], {}, ""
     for rep in range(args["reps"] + 1):
         batch = StepBatch.from_prompts(0, tasks, col.prompt_ids(tasks))
@@ -98,13 +106,23 @@ def run(replicas: int, args: dict) -> dict:
         res = dict(out)
     m = res["metrics"]
     sec = statistics.median(res["times"])
-    total_traj = m["rollout/replica_trajectories_min"] + m["rollout/replica_trajectories_max"] if replicas == 2 \
+    total_traj = (
+        m["rollout/replica_trajectories_min"] + m["rollout/replica_trajectories_max"]
+        if replicas == 2
         else m["rollout/replica_trajectories_max"]
-    return {"replicas": replicas, "seconds": sec, "times": res["times"], "trajectories": total_traj,
-            "generated_tokens": m["rollout/generated_tokens"], "traj_per_s": total_traj / sec,
-            "tokens_per_s": m["rollout/generated_tokens"] / sec,
-            "straggler_share": m["rollout/replica_trajectories_max"] / total_traj,
-            "replicas_generating": m["rollout/replicas_generating"], "digest": res["digest"]}
+    )
+    return {
+        "replicas": replicas,
+        "seconds": sec,
+        "times": res["times"],
+        "trajectories": total_traj,
+        "generated_tokens": m["rollout/generated_tokens"],
+        "traj_per_s": total_traj / sec,
+        "tokens_per_s": m["rollout/generated_tokens"] / sec,
+        "straggler_share": m["rollout/replica_trajectories_max"] / total_traj,
+        "replicas_generating": m["rollout/replicas_generating"],
+        "digest": res["digest"],
+    }
 
 
 def main(argv=None) -> dict:
@@ -121,17 +139,29 @@ def main(argv=None) -> dict:
     rows = [run(r, work) for r in (1, 2)]
     for r in rows:
         r["speedup"] = rows[0]["seconds"] / r["seconds"]
-    harness.print_table(rows, [("replicas", "replicas", "d"), ("seconds", "step s", ".3f"),
-                               ("traj_per_s", "traj/s", ".1f"), ("tokens_per_s", "tok/s", ".0f"),
-                               ("straggler_share", "straggler share", ".2f"), ("speedup", "speed-up", ".2f"),
-                               ("digest", "trees", "<")],
-                        title=f"rollout scaling: {args.prompts} prompts x {args.rollouts} rollouts (+1 continuation "
-                              f"each), torch engine, Qwen3 hidden {args.hidden} x {args.layers} layers, CPU, "
-                              f"{os.cpu_count()} cores")
+    harness.print_table(
+        rows,
+        [
+            ("replicas", "replicas", "d"),
+            ("seconds", "step s", ".3f"),
+            ("traj_per_s", "traj/s", ".1f"),
+            ("tokens_per_s", "tok/s", ".0f"),
+            ("straggler_share", "straggler share", ".2f"),
+            ("speedup", "speed-up", ".2f"),
+            ("digest", "trees", "<"),
+        ],
+        title=f"rollout scaling: {args.prompts} prompts x {args.rollouts} rollouts (+1 continuation "
+        f"each), torch engine, Qwen3 hidden {args.hidden} x {args.layers} layers, CPU, "
+        f"{os.cpu_count()} cores",
+    )
     if rows[0]["digest"] != rows[1]["digest"]:
         print("WARNING: the 1- and 2-replica runs produced different trees")
-    result = {"command": harness.command_line(__file__, argv), "workload": work, "rows": rows,
-              "same_trees": rows[0]["digest"] == rows[1]["digest"]}
+    result = {
+        "command": harness.command_line(__file__, argv),
+        "workload": work,
+        "rows": rows,
+        "same_trees": rows[0]["digest"] == rows[1]["digest"],
+    }
     harness.write_json(result, args.json)
     return result
 

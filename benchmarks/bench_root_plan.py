@@ -18,6 +18,7 @@ from each step's record when the predictor fits it (a wrapper around the trainer
     python benchmarks/bench_root_plan.py [--steps 60] [--seed 0] [--from-step 30] [--variants a,b] [--json PATH]
     trace-mega bench root_plan [same options]
 """
+
 from __future__ import annotations
 
 import statistics
@@ -44,9 +45,20 @@ def _run(overrides: list[str], seed: int, steps: int, out: Path, checkpoint: str
     from trace_mega.telemetry import read_metrics
     from trace_mega.trainer import Trainer
 
-    cfg = load_yaml(TrainConfig, ROOT / "configs" / "demo_cpu.yaml",
-                    [*overrides, "allocation.name=trace", f"seed={seed}", f"steps={steps}", f"telemetry.out_dir={out}",
-                     "telemetry.tensorboard=false", "telemetry.progress_bars=false", f"model.hf_checkpoint={checkpoint}"])
+    cfg = load_yaml(
+        TrainConfig,
+        ROOT / "configs" / "demo_cpu.yaml",
+        [
+            *overrides,
+            "allocation.name=trace",
+            f"seed={seed}",
+            f"steps={steps}",
+            f"telemetry.out_dir={out}",
+            "telemetry.tensorboard=false",
+            "telemetry.progress_bars=false",
+            f"model.hf_checkpoint={checkpoint}",
+        ],
+    )
     trainer = Trainer(cfg)
     records: list[dict] = []
     fit_step = trainer.predictor.fit_step
@@ -105,16 +117,30 @@ def main(argv: list[str] | None = None) -> dict:
         for n, name in enumerate(names):
             records, rows = _run(VARIANTS[name], args.seed, args.steps, Path(tmp) / str(n), str(checkpoint))
             results[name] = summarise(records, rows, args.from_step) | {"overrides": VARIANTS[name]}
-            print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name].items() if isinstance(v, float)),
-                  flush=True)
+            print(
+                f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in results[name].items() if isinstance(v, float)),
+                flush=True,
+            )
     rows = [{"variant": n, **{k: v for k, v in r.items() if isinstance(v, float)}} for n, r in results.items()]
-    print_table(rows, [("variant", "variant", "<"),
-                       *((f"{k}_pred", f"pred {k}", ".2f") for k in KINDS), *((f"{k}_real", f"real {k}", ".2f") for k in KINDS),
-                       *((f"{k}_roots", f"roots {k}", ".2f") for k in KINDS),
-                       ("effective_ratio", "eff", ".3f"), ("reward_last10", "reward last 10", ".3f")],
-                title=f"demo_cpu, trace, seed {args.seed}, steps {args.from_step}..{args.steps - 1}")
-    result = {"command": command_line(__file__, argv), "seed": args.seed, "steps": args.steps,
-              "from_step": args.from_step, "variants": results}
+    print_table(
+        rows,
+        [
+            ("variant", "variant", "<"),
+            *((f"{k}_pred", f"pred {k}", ".2f") for k in KINDS),
+            *((f"{k}_real", f"real {k}", ".2f") for k in KINDS),
+            *((f"{k}_roots", f"roots {k}", ".2f") for k in KINDS),
+            ("effective_ratio", "eff", ".3f"),
+            ("reward_last10", "reward last 10", ".3f"),
+        ],
+        title=f"demo_cpu, trace, seed {args.seed}, steps {args.from_step}..{args.steps - 1}",
+    )
+    result = {
+        "command": command_line(__file__, argv),
+        "seed": args.seed,
+        "steps": args.steps,
+        "from_step": args.from_step,
+        "variants": results,
+    }
     write_json(result, args.json)
     return result
 

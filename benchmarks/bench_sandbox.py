@@ -16,6 +16,7 @@ Cells: `pass` (pure start-up cost), a small computation, and `import numpy`
 The jail needs root and bubblewrap (see docs/envs.md); without it the script
 says why and exits with status 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,19 +71,30 @@ def main(argv=None) -> dict:
             tput[mode] = args.calls / (time.perf_counter() - t0)
             assert all(r.status == "ok" for r in results)
         for mode in MODES:
-            rows.append({"cell": cell, "mode": mode, "median_ms": 1e3 * statistics.median(lat[mode]),
-                         "p90_ms": 1e3 * _quantile(lat[mode], 0.9), "calls_per_s": tput[mode],
-                         "added_median_ms": 1e3 * (statistics.median(lat[mode]) - statistics.median(lat["weak"]))})
+            rows.append(
+                {
+                    "cell": cell,
+                    "mode": mode,
+                    "median_ms": 1e3 * statistics.median(lat[mode]),
+                    "p90_ms": 1e3 * _quantile(lat[mode], 0.9),
+                    "calls_per_s": tput[mode],
+                    "added_median_ms": 1e3 * (statistics.median(lat[mode]) - statistics.median(lat["weak"])),
+                }
+            )
     for box in boxes.values():
         box.close()
     load = os.getloadavg()
-    print(f"sandbox per-call cost: {args.calls} calls per mode and cell; throughput with {args.workers} at once; "
-          f"{os.cpu_count()} CPUs, load average {load[0]:.1f}")
+    print(
+        f"sandbox per-call cost: {args.calls} calls per mode and cell; throughput with {args.workers} at once; "
+        f"{os.cpu_count()} CPUs, load average {load[0]:.1f}"
+    )
     print("| cell | mode | median ms | p90 ms | added by the jail (median) ms | calls/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         added = f"{r['added_median_ms']:+.1f}" if r["mode"] == "bwrap" else "—"
-        print(f"| {r['cell']} | {r['mode']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {added} | {r['calls_per_s']:.1f} |")
+        print(
+            f"| {r['cell']} | {r['mode']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {added} | {r['calls_per_s']:.1f} |"
+        )
     out = {"calls": args.calls, "workers": args.workers, "cpus": os.cpu_count(), "loadavg": load, "rows": rows}
     if args.json:
         with open(args.json, "w") as fh:

@@ -21,6 +21,7 @@ max |difference| of the fused log-probs from the reference.
     python benchmarks/bench_token_logprobs.py [--T 4096 --V 151936 --H 128] [--json out.json]
     trace-mega bench token_logprobs [same options]
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,7 @@ def analytic_bytes(method, mode, T, V, H, eb, chunk):
     if method == "fused_triton_dz":
         # Triton statistics; backward: one (T, 8192) dz buffer in the input dtype + the
         # fp32 dh accumulator, a (T, H) GEMM output, dW in the weight dtype
-        return 4 * T * f4 + ((T * 8192 * eb + T * H * (f4 + 2 * eb) + V * H * eb)
-                             if mode == "fwd_bwd" else 0)
+        return 4 * T * f4 + ((T * 8192 * eb + T * H * (f4 + 2 * eb) + V * H * eb) if mode == "fwd_bwd" else 0)
     if method == "fused_triton":
         # (4, T) statistics; backward: fp32 atomic accumulators for dh, dW + their casts
         return 4 * T * f4 + ((T + V) * H * (f4 + eb) if mode == "fwd_bwd" else 0)
@@ -84,7 +84,7 @@ def _child(method, mode, T, V, H, dtype, chunk, threads):
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(T, H, generator=g).to(dt)
-    w = (torch.randn(V, H, generator=g) / H ** 0.5).to(dt)
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(dt)
     y = torch.randint(0, V, (T,), generator=g)
     if mode == "fwd_bwd":
         h.requires_grad_()
@@ -107,31 +107,54 @@ def _child(method, mode, T, V, H, dtype, chunk, threads):
 
     out, dt_s = timed(run)  # one call: the fresh process's peak memory is the measurement
     peak = _status_kb("VmHWM")
-    print(json.dumps({"peak_extra_bytes": (peak - rss0) * 1024, "seconds": dt_s,
-                      "checksum": float(out.detach().double().sum())}))
+    print(
+        json.dumps(
+            {"peak_extra_bytes": (peak - rss0) * 1024, "seconds": dt_s, "checksum": float(out.detach().double().sum())}
+        )
+    )
 
 
 def run_cpu(args):
     rows = []
     for mode in ("fwd", "fwd_bwd"):
         for method in ("reference", "fused_torch"):
-            cmd = [sys.executable, os.path.abspath(__file__), "--_child", method, mode,
-                   str(args.T), str(args.V), str(args.H), args.dtype, str(args.chunk),
-                   str(args.threads)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--_child",
+                method,
+                mode,
+                str(args.T),
+                str(args.V),
+                str(args.H),
+                args.dtype,
+                str(args.chunk),
+                str(args.threads),
+            ]
             env = env_without_interpreter() | {"OMP_NUM_THREADS": str(args.threads)}
             res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if res.returncode != 0:
                 raise RuntimeError(f"{method}/{mode} failed:\n{res.stderr[-3000:]}")
             r = json.loads(res.stdout.strip().splitlines()[-1])
             eb = 2 if args.dtype in ("bfloat16", "float16") else 4
-            rows.append({"method": method, "mode": mode, "T": args.T, "V": args.V, "H": args.H,
-                         "dtype": args.dtype, "seconds": r["seconds"],
-                         "peak_extra_bytes": r["peak_extra_bytes"],
-                         "analytic_bytes": analytic_bytes(method, mode, args.T, args.V, args.H, eb,
-                                                          args.chunk),
-                         "checksum": r["checksum"]})
-            print(f"  measured {method:12s} {mode:8s} {r['seconds']:7.2f} s  "
-                  f"{r['peak_extra_bytes'] / 2**20:9.1f} MiB", flush=True)
+            rows.append(
+                {
+                    "method": method,
+                    "mode": mode,
+                    "T": args.T,
+                    "V": args.V,
+                    "H": args.H,
+                    "dtype": args.dtype,
+                    "seconds": r["seconds"],
+                    "peak_extra_bytes": r["peak_extra_bytes"],
+                    "analytic_bytes": analytic_bytes(method, mode, args.T, args.V, args.H, eb, args.chunk),
+                    "checksum": r["checksum"],
+                }
+            )
+            print(
+                f"  measured {method:12s} {mode:8s} {r['seconds']:7.2f} s  {r['peak_extra_bytes'] / 2**20:9.1f} MiB",
+                flush=True,
+            )
     return rows
 
 
@@ -149,14 +172,13 @@ def run_gpu(args):
     T, V, H = args.T, args.V, args.H
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(T, H, device="cuda", generator=g).to(dt)
-    w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(dt)
+    w = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dt)
     y = torch.randint(0, V, (T,), device="cuda", generator=g)
     methods = {
         "reference": lambda hh, ww: token_logprobs_reference(hh, ww, y),
         "fused_triton": lambda hh, ww: token_logprobs(hh, ww, y, backend="triton"),
         "fused_triton_dz": lambda hh, ww: token_logprobs(hh, ww, y, backend="triton_dz"),
-        "fused_torch": lambda hh, ww: token_logprobs(hh, ww, y, backend="torch",
-                                                      chunk_size=args.chunk),
+        "fused_torch": lambda hh, ww: token_logprobs(hh, ww, y, backend="torch", chunk_size=args.chunk),
     }
     with torch.no_grad():
         ref_lp = methods["reference"](h, w)
@@ -187,13 +209,28 @@ def run_gpu(args):
             flops = (2 if mode == "fwd" else 6) * T * V * H
             nbytes = (T + V) * H * eb + T * 4 + (T + V) * H * eb * (mode == "fwd_bwd")
             peak_tf = H200_PEAK["bf16_tflops" if eb == 2 else "tf32_tflops"]
-            rows.append({"method": name, "mode": mode, "T": T, "V": V, "H": H, "dtype": args.dtype,
-                         "seconds": sec, "peak_extra_bytes": peak,
-                         "analytic_bytes": analytic_bytes(name, mode, T, V, H, eb, args.chunk),
-                         "tflops": flops / sec / 1e12, "mfu_vs_h200": flops / sec / 1e12 / peak_tf,
-                         "eff_bandwidth_gbs": nbytes / sec / 1e9, "max_abs_err_vs_ref": err})
-            print(f"  {name:12s} {mode:8s} {sec * 1e3:9.2f} ms  {peak / 2**30:7.2f} GiB  "
-                  f"{rows[-1]['tflops']:7.1f} TFLOP/s  err {err:.2e}", flush=True)
+            rows.append(
+                {
+                    "method": name,
+                    "mode": mode,
+                    "T": T,
+                    "V": V,
+                    "H": H,
+                    "dtype": args.dtype,
+                    "seconds": sec,
+                    "peak_extra_bytes": peak,
+                    "analytic_bytes": analytic_bytes(name, mode, T, V, H, eb, args.chunk),
+                    "tflops": flops / sec / 1e12,
+                    "mfu_vs_h200": flops / sec / 1e12 / peak_tf,
+                    "eff_bandwidth_gbs": nbytes / sec / 1e9,
+                    "max_abs_err_vs_ref": err,
+                }
+            )
+            print(
+                f"  {name:12s} {mode:8s} {sec * 1e3:9.2f} ms  {peak / 2**30:7.2f} GiB  "
+                f"{rows[-1]['tflops']:7.1f} TFLOP/s  err {err:.2e}",
+                flush=True,
+            )
             hh.grad = ww.grad = None
             torch.cuda.empty_cache()
     return rows
@@ -201,11 +238,25 @@ def run_gpu(args):
 
 def _table(rows, gpu):
     print()
-    print_table([r | {"ms": r["seconds"] * 1e3, "peak_mib": r["peak_extra_bytes"] / 2**20,
-                      "analytic_mib": r["analytic_bytes"] / 2**20} for r in rows], [
-        ("method", "method", "<"), ("mode", "mode", "<"), ("ms", "time ms", ".1f"),
-        ("peak_mib", "peak extra MiB", ".1f"), ("analytic_mib", "analytic MiB", ".1f"),
-        *([("tflops", "TFLOP/s", ".1f"), ("eff_bandwidth_gbs", "GB/s", ".1f")] if gpu else [])])
+    print_table(
+        [
+            r
+            | {
+                "ms": r["seconds"] * 1e3,
+                "peak_mib": r["peak_extra_bytes"] / 2**20,
+                "analytic_mib": r["analytic_bytes"] / 2**20,
+            }
+            for r in rows
+        ],
+        [
+            ("method", "method", "<"),
+            ("mode", "mode", "<"),
+            ("ms", "time ms", ".1f"),
+            ("peak_mib", "peak extra MiB", ".1f"),
+            ("analytic_mib", "analytic MiB", ".1f"),
+            *([("tflops", "TFLOP/s", ".1f"), ("eff_bandwidth_gbs", "GB/s", ".1f")] if gpu else []),
+        ],
+    )
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -216,8 +267,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
 
     p = parser(__doc__, None)
-    p.add_argument("--device", choices=["cpu", "cuda"],
-                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--T", type=int, default=None)
     p.add_argument("--V", type=int, default=151936)
     p.add_argument("--H", type=int, default=None)
@@ -234,8 +284,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     args.T = args.T or (8192 if gpu else 4096)
     args.H = args.H or (4096 if gpu else 128)
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    print(f"token_logprobs benchmark on {args.device}: T={args.T} V={args.V} H={args.H} "
-          f"{args.dtype}", flush=True)
+    print(f"token_logprobs benchmark on {args.device}: T={args.T} V={args.V} H={args.H} {args.dtype}", flush=True)
     rows = run_gpu(args) if gpu else run_cpu(args)
     _table(rows, gpu)
     by = {(r["method"], r["mode"]): r for r in rows}
@@ -247,24 +296,34 @@ def main(argv: list[str] | None = None) -> dict | None:
         summary[f"{mode}_speedup"] = ref["seconds"] / fu["seconds"]
         if gpu:  # the alternative backward, for the choice of the default on hardware
             dz = by[("fused_triton_dz", mode)]
-            summary[f"{mode}_triton_dz_peak_memory_ratio"] = (
-                ref["peak_extra_bytes"] / max(dz["peak_extra_bytes"], 1))
+            summary[f"{mode}_triton_dz_peak_memory_ratio"] = ref["peak_extra_bytes"] / max(dz["peak_extra_bytes"], 1)
             summary[f"{mode}_triton_dz_speedup"] = ref["seconds"] / dz["seconds"]
     # the full-scale case, analytically (bf16 Qwen3-14B-like output layer)
-    full = {f"{m}/{mode}": analytic_bytes(m, mode, 16384, 151936, 5120, 2, args.chunk)
-            for m in ("reference", "fused_torch", "fused_triton", "fused_triton_dz")
-            for mode in ("fwd", "fwd_bwd")}
+    full = {
+        f"{m}/{mode}": analytic_bytes(m, mode, 16384, 151936, 5120, 2, args.chunk)
+        for m in ("reference", "fused_torch", "fused_triton", "fused_triton_dz")
+        for mode in ("fwd", "fwd_bwd")
+    }
     print("\nanalytic peak extra bytes at T=16384 V=151936 H=5120 bf16 (GiB):")
     for k, v in full.items():
         print(f"  {k:22s} {v / 2**30:8.2f}")
     print("\nsummary:", json.dumps(summary, indent=1))
     target_ok = summary["fwd_bwd_peak_memory_ratio"] >= 4 and summary["fwd_peak_memory_ratio"] >= 4
     print(f"target >= 4x lower peak memory: {'MET' if target_ok else 'NOT MET'}")
-    out = {"op": "token_logprobs", "device": args.device,
-           "method_of_memory": ("torch.cuda.max_memory_allocated - memory_allocated before" if gpu else
-                                "VmHWM - VmRSS in a fresh subprocess per method (clear_refs reset)"),
-           "config": vars(args), "rows": rows, "summary": summary,
-           "analytic_full_scale_bytes": full, "target_4x_met": target_ok}
+    out = {
+        "op": "token_logprobs",
+        "device": args.device,
+        "method_of_memory": (
+            "torch.cuda.max_memory_allocated - memory_allocated before"
+            if gpu
+            else "VmHWM - VmRSS in a fresh subprocess per method (clear_refs reset)"
+        ),
+        "config": vars(args),
+        "rows": rows,
+        "summary": summary,
+        "analytic_full_scale_bytes": full,
+        "target_4x_met": target_ok,
+    }
     write_json(out, RESULTS / args.device / "bench_token_logprobs.json" if args.json is None else args.json)
     return out
 

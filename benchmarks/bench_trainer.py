@@ -11,6 +11,7 @@ rollouts).
     python benchmarks/bench_trainer.py [--steps 6] [--json PATH]
     trace-mega bench trainer [same options]
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,19 @@ PHASES = ["rollout", "expand", "predictor", "credit", "train", "weight_sync"]
 
 def _run(name: str, overrides: list[str], steps: int, out: Path) -> list[dict]:
     run_dir = out / name.replace(" ", "_").replace(",", "").replace("+", "_")
-    cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
-           f"steps={steps}", f"telemetry.out_dir={run_dir}", "telemetry.tensorboard=false",
-           "telemetry.progress_bars=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trace_mega.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "demo_cpu.yaml"),
+        f"steps={steps}",
+        f"telemetry.out_dir={run_dir}",
+        "telemetry.tensorboard=false",
+        "telemetry.progress_bars=false",
+        *overrides,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -64,10 +75,23 @@ def main(argv: list[str] | None = None) -> dict:
                 "predictor_pct": 100.0 * mean("time/predictor_s") / step_s,
             }
     base = results["uniform"]["step_s"]
-    cols = ["step_s", "rollout_s", "expand_s", "predictor_s", "credit_s", "train_s", "generated_tok_per_s",
-            "prefill_tokens_saved", "trajectories", "effective_ratio", "predictor_pct"]
-    print_table([{"variant": name, **r, "vs_uniform": r["step_s"] / base} for name, r in results.items()],
-                [("variant", "variant", "<"), *((c, c, ".3f") for c in cols), ("vs_uniform", "step vs uniform", ".2f")])
+    cols = [
+        "step_s",
+        "rollout_s",
+        "expand_s",
+        "predictor_s",
+        "credit_s",
+        "train_s",
+        "generated_tok_per_s",
+        "prefill_tokens_saved",
+        "trajectories",
+        "effective_ratio",
+        "predictor_pct",
+    ]
+    print_table(
+        [{"variant": name, **r, "vs_uniform": r["step_s"] / base} for name, r in results.items()],
+        [("variant", "variant", "<"), *((c, c, ".3f") for c in cols), ("vs_uniform", "step vs uniform", ".2f")],
+    )
     out = {"steps": args.steps, "variants": results}
     write_json(out, args.json)
     return out

@@ -30,6 +30,7 @@ Usage::
 ``main(argv) -> dict`` is importable; results go to
 ``bench_results/bench_tree_attention.json`` by default.
 """
+
 from __future__ import annotations
 
 import random
@@ -149,6 +150,7 @@ def spot_check(seed: int = 0, spec: TreeSpec = SPOT) -> dict:
     k = torch.randn(1, T, 2, 32, generator=g, requires_grad=True)
     v = torch.randn(1, T, 2, 32, generator=g, requires_grad=True)
     do = torch.randn(1, T, 4, 32, generator=g)
+
     def fwd_bwd():
         o = tree_attention(q, k, v, tn, te)
         return o, torch.autograd.grad(o, (q, k, v), do)
@@ -161,9 +163,16 @@ def spot_check(seed: int = 0, spec: TreeSpec = SPOT) -> dict:
     errs = {"o_vs_sdpa": (o - ref).abs().max().item(), "o_vs_flex": (o - flex).abs().max().item()}
     for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
         errs[f"{name}_vs_sdpa"] = (a - b).abs().max().item()
-    return {"tokens": T, "heads": "4q/2kv", "head_dim": 32, "dtype": "fp32",
-            "interpreted": not torch.cuda.is_available(), "fwd_bwd_seconds": kernel_s,
-            "max_abs_err": errs, "ok": max(errs.values()) < 1e-4}
+    return {
+        "tokens": T,
+        "heads": "4q/2kv",
+        "head_dim": 32,
+        "dtype": "fp32",
+        "interpreted": not torch.cuda.is_available(),
+        "fwd_bwd_seconds": kernel_s,
+        "max_abs_err": errs,
+        "ok": max(errs.values()) < 1e-4,
+    }
 
 
 def gpu_timings(row: dict, packed, dtype=torch.bfloat16, device: str = "cuda") -> list[dict]:
@@ -192,17 +201,27 @@ def gpu_timings(row: dict, packed, dtype=torch.bfloat16, device: str = "cuda") -
         "tree_attention (triton)": (lambda a, b, c: tree_attention(a, b, c, tn, te), do, (q, k, v), "packed"),
         "sdpa + mask": (lambda a, b, c: tree_attention_reference(a, b, c, tn, te), do, (q, k, v), "packed"),
         "flex_attention (compiled)": (
-            lambda a, b, c: flex_c(t(a), t(b), t(c), block_mask=bmask, enable_gqa=True), t(do), (q, k, v), "packed"),
+            lambda a, b, c: flex_c(t(a), t(b), t(c), block_mask=bmask, enable_gqa=True),
+            t(do),
+            (q, k, v),
+            "packed",
+        ),
         "flattened causal sdpa": (
-            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), dof, (qf, kf, vf), "flat"),
+            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
+            dof,
+            (qf, kf, vf),
+            "flat",
+        ),
     }
     out = []
     for name, (fn, grad, leaves, layout) in methods.items():
         gflop = row["fwd_gflop_packed"] if layout == "packed" else row["fwd_gflop_flat_causal"]
         rec = {"scenario": row["scenario"], "method": name, "useful_gflop_fwd": gflop}
         detached = tuple(x.detach() for x in leaves)
-        for key, run in (("fwd", lambda: fn(*detached)),
-                         ("fwd_bwd", lambda: torch.autograd.grad(fn(*leaves), leaves, grad))):
+        for key, run in (
+            ("fwd", lambda: fn(*detached)),
+            ("fwd_bwd", lambda: torch.autograd.grad(fn(*leaves), leaves, grad)),
+        ):
             try:
                 with torch.set_grad_enabled(key == "fwd_bwd"):
                     ms = 1e3 * timeit(run, reps=10, warmup=3, device=dev, reduce="mean")
@@ -230,31 +249,51 @@ def main(argv=None) -> dict:
         row, packed = work_stats(spec, args.seed)
         rows.append(row)
         packs.append(packed)
-    print_table(rows, title=f"Work avoided by packing (FLOPs for Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}; "
-                f"tiles {rows[0]['tile_block'][0]}x{rows[0]['tile_block'][1]}):", cols=[
-        ("scenario", "scenario", "<"), ("paths", "paths", "d"), ("packed_tokens", "packed T", "d"),
-        ("flat_tokens", "flat tokens", "d"), ("token_ratio", "tok ratio", ".2f"),
-        ("fwd_gflop_packed", "GF packed", ".1f"), ("fwd_gflop_flat_causal", "GF flat", ".1f"),
-        ("flop_ratio_flat_over_packed", "FLOP ratio", ".2f"),
-        ("fwd_gflop_packed_dense_causal", "GF causal", ".1f"),
-        ("fwd_gflop_kernel_executed", "GF executed", ".1f"),
-        ("tiles_causal", "tiles causal", "d"), ("tiles_visited", "tiles run", "d"),
-        ("tiles_unmasked", "unmasked", "d"), ("tiles_skipped_frac", "skipped", ".1%"),
-    ])
+    print_table(
+        rows,
+        title=f"Work avoided by packing (FLOPs for Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}; "
+        f"tiles {rows[0]['tile_block'][0]}x{rows[0]['tile_block'][1]}):",
+        cols=[
+            ("scenario", "scenario", "<"),
+            ("paths", "paths", "d"),
+            ("packed_tokens", "packed T", "d"),
+            ("flat_tokens", "flat tokens", "d"),
+            ("token_ratio", "tok ratio", ".2f"),
+            ("fwd_gflop_packed", "GF packed", ".1f"),
+            ("fwd_gflop_flat_causal", "GF flat", ".1f"),
+            ("flop_ratio_flat_over_packed", "FLOP ratio", ".2f"),
+            ("fwd_gflop_packed_dense_causal", "GF causal", ".1f"),
+            ("fwd_gflop_kernel_executed", "GF executed", ".1f"),
+            ("tiles_causal", "tiles causal", "d"),
+            ("tiles_visited", "tiles run", "d"),
+            ("tiles_unmasked", "unmasked", "d"),
+            ("tiles_skipped_frac", "skipped", ".1%"),
+        ],
+    )
     spot = spot_check(args.seed, SPOT_QUICK if args.quick else SPOT)
-    print(f"\nSpot-check ({spot['tokens']} tokens, {spot['heads']}, D={spot['head_dim']}, fp32, "
-          f"{'Triton interpreter' if spot['interpreted'] else 'GPU'}): "
-          + ", ".join(f"{k}={v:.1e}" for k, v in spot["max_abs_err"].items())
-          + f"  -> {'OK' if spot['ok'] else 'MISMATCH'}")
+    print(
+        f"\nSpot-check ({spot['tokens']} tokens, {spot['heads']}, D={spot['head_dim']}, fp32, "
+        f"{'Triton interpreter' if spot['interpreted'] else 'GPU'}): "
+        + ", ".join(f"{k}={v:.1e}" for k, v in spot["max_abs_err"].items())
+        + f"  -> {'OK' if spot['ok'] else 'MISMATCH'}"
+    )
     timings = []
     if torch.cuda.is_available():
         for row, packed in zip(rows, packs):
             timings += gpu_timings(row, packed)
-        print_table(timings, title=f"\nGPU ({torch.cuda.get_device_name()}, bf16):", cols=[
-            ("scenario", "scenario", "<"), ("method", "method", "<"), ("fwd_ms", "fwd ms", ".3f"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_tflops", "fwd TF/s", ".1f"),
-            ("fwd_bwd_tflops", "f+b TF/s", ".1f"), ("error", "error", "<"),
-        ])
+        print_table(
+            timings,
+            title=f"\nGPU ({torch.cuda.get_device_name()}, bf16):",
+            cols=[
+                ("scenario", "scenario", "<"),
+                ("method", "method", "<"),
+                ("fwd_ms", "fwd ms", ".3f"),
+                ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+                ("fwd_tflops", "fwd TF/s", ".1f"),
+                ("fwd_bwd_tflops", "f+b TF/s", ".1f"),
+                ("error", "error", "<"),
+            ],
+        )
     result = {
         "benchmark": "tree_attention",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

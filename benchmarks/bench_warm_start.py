@@ -18,6 +18,7 @@ not cached) unless `--checkpoint DIR` names another HF checkpoint.
     python benchmarks/bench_warm_start.py [--samples 32] [--checkpoint DIR] [--json PATH]
     trace-mega bench warm_start [same options]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,7 @@ def kind(task) -> str:
 def _per_task(agent, tasks, samples: int, seed: int) -> list[tuple[str, list[float]]]:
     out = []
     for s in range(0, len(tasks), 8):
-        batch = tasks[s:s + 8]
+        batch = tasks[s : s + 8]
         trees = agent.rollout(batch, [samples] * len(batch), seed=seed + s)
         agent.release(trees)
         out += [(kind(t), tree.leaf_rewards()) for t, tree in zip(batch, trees)]
@@ -51,7 +52,7 @@ def _row(name: str, per_task) -> dict:
         row[key] = statistics.fmean(r for k, rs in per_task if k == key for r in rs)
     ps = [statistics.fmean(rs) for _, rs in per_task]
     row["mean"] = statistics.fmean(ps)
-    row["contrast_at_4"] = statistics.fmean(1 - p ** 4 - (1 - p) ** 4 for p in ps)
+    row["contrast_at_4"] = statistics.fmean(1 - p**4 - (1 - p) ** 4 for p in ps)
     return row
 
 
@@ -87,21 +88,36 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--checkpoint", default=None, help="HF checkpoint of the warm policy (default: the demo's)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        base = load_yaml(TrainConfig, ROOT / "configs" / "demo_cpu.yaml",
-                         [f"telemetry.out_dir={tmp}", "telemetry.tensorboard=false"])
+        base = load_yaml(
+            TrainConfig, ROOT / "configs" / "demo_cpu.yaml", [f"telemetry.out_dir={tmp}", "telemetry.tensorboard=false"]
+        )
         pcfg = load_yaml(PretrainConfig, ROOT / "configs" / "pretrain_tools.yaml")
         checkpoint = args.checkpoint or warm_start(base)
         with_model = lambda ckpt: dataclasses.replace(  # noqa: E731
-            base, model=dataclasses.replace(base.model, hf_checkpoint=ckpt))
-        rows = [_row("transcript walker", measure_walker(base, pcfg, args.samples, seed=1)),
-                _row("warm start", measure_policy(with_model(checkpoint), args.samples, seed=1)),
-                _row("random init", measure_policy(with_model(None), args.samples, seed=1))]
+            base, model=dataclasses.replace(base.model, hf_checkpoint=ckpt)
+        )
+        rows = [
+            _row("transcript walker", measure_walker(base, pcfg, args.samples, seed=1)),
+            _row("warm start", measure_policy(with_model(checkpoint), args.samples, seed=1)),
+            _row("random init", measure_policy(with_model(None), args.samples, seed=1)),
+        ]
     kinds = [k for k in rows[0] if k not in ("policy", "mean", "contrast_at_4")]
-    print_table(rows, [("policy", "policy", "<"), *((k, k.replace("_", " "), ".3f") for k in kinds),
-                       ("mean", "mean", ".3f"), ("contrast_at_4", "contrast@4", ".3f")],
-                title=f"demo env, {args.samples} samples per task, checkpoint {Path(checkpoint).name}")
-    result = {"rows": rows, "checkpoint": str(checkpoint), "samples": args.samples,
-              "command": command_line(__file__, argv)}
+    print_table(
+        rows,
+        [
+            ("policy", "policy", "<"),
+            *((k, k.replace("_", " "), ".3f") for k in kinds),
+            ("mean", "mean", ".3f"),
+            ("contrast_at_4", "contrast@4", ".3f"),
+        ],
+        title=f"demo env, {args.samples} samples per task, checkpoint {Path(checkpoint).name}",
+    )
+    result = {
+        "rows": rows,
+        "checkpoint": str(checkpoint),
+        "samples": args.samples,
+        "command": command_line(__file__, argv),
+    }
     write_json(result, args.json)
     return result
 

@@ -9,6 +9,7 @@ option every benchmark has; ``--json ''`` writes nothing), times with
 is then on ``sys.path``) or as ``trace-mega bench NAME`` (`trace_mega.cli.load_benchmark`
 puts it there).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,11 @@ def parser(doc: str, json_default: str | Path | None) -> argparse.ArgumentParser
     """
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = str(json_default) if json_default is not None else "a per-device file under bench_results/"
-    ap.add_argument("--json", default=None if json_default is None else str(json_default),
-                    help=f"write the results here ('' = do not write; default: {where})")
+    ap.add_argument(
+        "--json",
+        default=None if json_default is None else str(json_default),
+        help=f"write the results here ('' = do not write; default: {where})",
+    )
     return ap
 
 
@@ -46,8 +50,15 @@ def _is_cuda(device: Any) -> bool:
     return str(device).startswith("cuda")
 
 
-def timeit(fn: Callable[[], Any], *, reps: int = 5, warmup: int = 1, device: Any = "cpu",
-           reduce: str = "median", clock: str = "wall") -> float:
+def timeit(
+    fn: Callable[[], Any],
+    *,
+    reps: int = 5,
+    warmup: int = 1,
+    device: Any = "cpu",
+    reduce: str = "median",
+    clock: str = "wall",
+) -> float:
     """Seconds per call of ``fn()``: `warmup` untimed calls, then `reps` timed ones reduced by `reduce`.
 
     On CUDA each call is timed with CUDA events (so queued work is counted and the host

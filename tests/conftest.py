@@ -3,11 +3,11 @@
 The interpreter must be switched on before any `@triton.jit` decorator runs, i.e.
 before the kernel modules are imported, so it is done here at collection time.
 """
+
 import os
 
 import pytest
 import torch
-
 
 from trace_mega.kernels._triton_env import use_interpreter_without_cuda
 

@@ -1,4 +1,5 @@
 """benchmarks/bench_weight_sync.py: the measured path runs and counts bytes; the projection's arithmetic."""
+
 import argparse
 
 import pytest
@@ -7,8 +8,9 @@ from trace_mega.cli import load_benchmark
 
 bench = load_benchmark("weight_sync")
 
-ASSUME = argparse.Namespace(nvlink_gbps=360.0, ib_gbps=45.0, hbm_gbps=1500.0, bucket_mib=512.0, latency_us=30.0,
-                            engine_us_per_tensor=50.0)
+ASSUME = argparse.Namespace(
+    nvlink_gbps=360.0, ib_gbps=45.0, hbm_gbps=1500.0, bucket_mib=512.0, latency_us=30.0, engine_us_per_tensor=50.0
+)
 
 
 def test_measured_sync_counts_bytes_per_rank():

@@ -1,4 +1,5 @@
 """benchmarks/: the shared harness, and every benchmark loads through it (`trace-mega bench NAME`)."""
+
 import json
 
 import pytest
@@ -29,11 +30,11 @@ def test_timeit_warms_up_then_reduces():
 
 
 def test_print_table_aligns_and_marks_missing(capsys):
-    harness.print_table([{"name": "a", "x": 1.5}, {"name": "long name"}],
-                        [("name", "name", "<"), ("x", "x value", ".2f")], title="T")
+    harness.print_table(
+        [{"name": "a", "x": 1.5}, {"name": "long name"}], [("name", "name", "<"), ("x", "x value", ".2f")], title="T"
+    )
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["T", "name       x value", "---------  -------", "a             1.50",
-                     "long name        -"]
+    assert lines == ["T", "name       x value", "---------  -------", "a             1.50", "long name        -"]
 
 
 def test_write_json_and_its_off_switch(tmp_path):

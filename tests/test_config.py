@@ -54,9 +54,8 @@ def test_yaml_with_overrides(tmp_path):
 
 
 def test_shipped_configs_load():
-    from trace_mega.resources import shipped_configs
-
     from trace_mega.config import PretrainConfig
+    from trace_mega.resources import shipped_configs
 
     on_disk = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
     assert sorted(p.name for p in shipped_configs().values()) == [p.name for p in on_disk]
@@ -76,7 +75,10 @@ def test_configs_resolve_by_name_or_path(tmp_path, monkeypatch):
     own.parent.mkdir()
     own.write_text("steps: 1\n")
     assert resolve_config("configs/demo_cpu.yaml") == Path("configs/demo_cpu.yaml")
-    with pytest.raises(FileNotFoundError, match="shipped: credit_demo, demo_cpu, pretrain_search, pretrain_tools, qwen3_14b_multihop, qwen3_30b_a3b_bfcl"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="shipped: credit_demo, demo_cpu, pretrain_search, pretrain_tools, qwen3_14b_multihop, qwen3_30b_a3b_bfcl",
+    ):
         resolve_config("demo_gpu")
     with pytest.raises(FileNotFoundError):
         resolve_config("elsewhere/demo_cpu.yaml")
@@ -114,10 +116,15 @@ def test_registry_lists_valid_names_on_error():
         ({"allocation": {"name": "tracee"}}, r"^allocation\.name: unknown allocator 'tracee'; valid names: pcl, trace"),
         ({"loss": {"name": "ppo"}}, r"^loss\.name: unknown loss 'ppo'; valid names: dapo, gspo, ppo_clip_token"),
         ({"advantage": {"name": "trace_credit"}}, r"^advantage\.name: picks the outcome term"),
-        ({"rollout": {"engine": "sglang"}}, r"^rollout\.engine: unknown rollout engine 'sglang'; valid names: torch, vllm"),
+        (
+            {"rollout": {"engine": "sglang"}},
+            r"^rollout\.engine: unknown rollout engine 'sglang'; valid names: torch, vllm",
+        ),
         ({"env": {"name": "webshop"}}, r"^env\.name: unknown environment 'webshop'; valid names: bfcl_multi_turn"),
-        ({"env": {"name": "multihop_qa", "options": {"data_path": "x"}}},
-         r"^env\.options\.data_path: unknown option of 'multihop_qa'; valid: .*corpus_path"),
+        (
+            {"env": {"name": "multihop_qa", "options": {"data_path": "x"}}},
+            r"^env\.options\.data_path: unknown option of 'multihop_qa'; valid: .*corpus_path",
+        ),
     ],
 )
 def test_registry_names_and_env_options_fail_at_load(data, pattern):

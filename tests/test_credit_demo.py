@@ -1,4 +1,5 @@
 """`trace-mega demo credit`: the summary arithmetic, and a shortened end-to-end run as a user runs it."""
+
 import dataclasses
 import json
 import math
@@ -11,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from trace_mega.credit_demo import METHODS, method_config, steps_to_threshold, summarize
 from trace_mega.config import TrainConfig, load_yaml
+from trace_mega.credit_demo import METHODS, method_config, steps_to_threshold, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,11 +28,15 @@ def test_steps_to_threshold_trailing_window():
 
 def test_summary_counts_censored_runs_and_means_over_seeds():
     def rows(rewards, turns, auc=None):
-        return [{"step": i, "reward/mean": r, "rollout/turns_per_episode": t, **({"credit/auc": auc} if auc else {})}
-                for i, (r, t) in enumerate(zip(rewards, turns))]
+        return [
+            {"step": i, "reward/mean": r, "rollout/turns_per_episode": t, **({"credit/auc": auc} if auc else {})}
+            for i, (r, t) in enumerate(zip(rewards, turns))
+        ]
 
-    runs = {"grpo": [rows([0.0, 0.6, 0.6], [1, 2, 3]), rows([0.0, 0.0, 0.0], [1, 1, 1])],
-            "grpo+credit": [rows([0.6, 0.6, 0.6], [2, 2, 2], auc=0.8), rows([0.6, 0.0, 0.6], [2, 2, 2], auc=0.6)]}
+    runs = {
+        "grpo": [rows([0.0, 0.6, 0.6], [1, 2, 3]), rows([0.0, 0.0, 0.0], [1, 1, 1])],
+        "grpo+credit": [rows([0.6, 0.6, 0.6], [2, 2, 2], auc=0.8), rows([0.6, 0.0, 0.6], [2, 2, 2], auc=0.6)],
+    }
     table = summarize(runs, steps=3, threshold=0.5, window=1)
     assert table["grpo"]["steps_to_threshold_per_seed"] == [2, None]
     assert table["grpo"]["steps_to_threshold"] == (2 + 4) / 2  # never reached: counts steps + 1
@@ -48,12 +53,17 @@ def test_methods_differ_only_in_their_switches():
     base = load_yaml(TrainConfig, ROOT / "configs" / "credit_demo.yaml")
     cfgs = {m: method_config(base, m, 2, "/ckpt", Path("/out")) for m in METHODS}
     assert {m: (c.allocation.name, c.advantage.name, c.credit.enabled) for m, c in cfgs.items()} == {
-        "grpo": ("uniform", "grpo", False), "grpo+credit": ("uniform", "grpo", True),
-        "tree": ("treepo", "tree", False), "tree+credit": ("treepo", "tree", True)}
+        "grpo": ("uniform", "grpo", False),
+        "grpo+credit": ("uniform", "grpo", True),
+        "tree": ("treepo", "tree", False),
+        "tree+credit": ("treepo", "tree", True),
+    }
     for c in cfgs.values():
         assert c.seed == 2 and c.model.hf_checkpoint == "/ckpt" and c.steps == base.steps
         assert (c.allocation.root_rollouts_per_step, c.allocation.continuations_per_rollout) == (
-            base.allocation.root_rollouts_per_step, base.allocation.continuations_per_rollout)  # equal budget
+            base.allocation.root_rollouts_per_step,
+            base.allocation.continuations_per_rollout,
+        )  # equal budget
 
 
 def test_demo_composes_credit_by_the_auto_rule():
@@ -62,8 +72,11 @@ def test_demo_composes_credit_by_the_auto_rule():
 
     base = load_yaml(TrainConfig, ROOT / "configs" / "credit_demo.yaml")
     assert base.credit.mixing == "auto"
-    mix = {m: resolve_mixing(c.credit, c.advantage) for m in ("grpo+credit", "tree+credit")
-           for c in [method_config(base, m, 0, "/ckpt", Path("/out"))]}
+    mix = {
+        m: resolve_mixing(c.credit, c.advantage)
+        for m in ("grpo+credit", "tree+credit")
+        for c in [method_config(base, m, 0, "/ckpt", Path("/out"))]
+    }
     assert mix == {"grpo+credit": "anchored", "tree+credit": "broadcast"}
 
 
@@ -74,16 +87,33 @@ def test_credit_demo_end_to_end(tmp_path):
     (tmp_path / "pre.yaml").write_text(yaml.safe_dump(pre))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "trace_mega.cli", "demo", "credit", "--out", str(tmp_path / "out"),
-           "--pretrain-config", str(tmp_path / "pre.yaml"), "--seeds", "0", "--methods", "grpo,tree+credit",
-           "steps=2", "allocation.prompts_per_step=4", "allocation.root_rollouts_per_step=4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trace_mega.cli",
+        "demo",
+        "credit",
+        "--out",
+        str(tmp_path / "out"),
+        "--pretrain-config",
+        str(tmp_path / "pre.yaml"),
+        "--seeds",
+        "0",
+        "--methods",
+        "grpo,tree+credit",
+        "steps=2",
+        "allocation.prompts_per_step=4",
+        "allocation.root_rollouts_per_step=4",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert set(report["methods"]) == {"grpo", "tree+credit"}
     for row in report["methods"].values():
         assert {"steps_to_threshold", "reward_last10", "turns_per_episode_last10", "credit_auc_mean"} <= set(row)
-    rows = [json.loads(l) for l in (tmp_path / "out" / "tree+credit" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(l) for l in (tmp_path / "out" / "tree+credit" / "seed0" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 2 and all("credit/auc" in r and "credit/delta_useful" in r for r in rows)
     assert (tmp_path / "out" / "curves.png").stat().st_size > 10_000 and "| tree+credit |" in proc.stdout
 

@@ -1,5 +1,6 @@
 """End to end: every allocator spends exactly M·(1+N) trajectories on every step, and a multi-mini-batch
 update of the demo actually clips. Real trainer runs (megatron + gloo on CPU) in one subprocess."""
+
 import json
 import os
 import subprocess
@@ -34,8 +35,14 @@ def _run(tmp_path, runs: dict, common: list, timeout: int = 600) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     common = common + ["telemetry.tensorboard=false", "telemetry.progress_bars=false"]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), json.dumps(runs), json.dumps(common)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), json.dumps(runs), json.dumps(common)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp_path / "result.json").read_text())
 
@@ -53,10 +60,17 @@ def test_five_allocators_spend_exactly_the_budget_every_step_small(tmp_path):
     # M = 8 roots and N = 3: 32 trajectories per step. At most 2 turns (so at most one intermediate
     # prefix per rollout, none when it answers at once) and 1 continuation per prefix: the caps
     # bind everywhere, so the tree allocators must spend the rest as fresh root rollouts.
-    small = ["steps=2", "allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=8",
-             "allocation.rollouts_per_prompt_max=4", "allocation.group_size=4", "rollout.max_turns=2",
-             "allocation.continuations_per_rollout=3.0", "allocation.continuations_per_prefix_max=1",
-             "predictor.updates_per_step=2"]
+    small = [
+        "steps=2",
+        "allocation.prompts_per_step=8",
+        "allocation.root_rollouts_per_step=8",
+        "allocation.rollouts_per_prompt_max=4",
+        "allocation.group_size=4",
+        "rollout.max_turns=2",
+        "allocation.continuations_per_rollout=3.0",
+        "allocation.continuations_per_prefix_max=1",
+        "predictor.updates_per_step=2",
+    ]
     result = _run(tmp_path, {a: [f"allocation.name={a}"] for a in ALLOCATORS}, small)
     _check_equal_budget(result, 2, 32)
     for name in ("treepo", "trace", "trace_global"):
@@ -72,8 +86,11 @@ def test_five_allocators_three_demo_steps_log_64_trajectories(tmp_path):
 def test_demo_with_four_mini_batches_clips(tmp_path):
     # The `synthetic` env rewards the random policy from step 0 (the demo's own env may not in three
     # steps), so advantages are non-zero and the later mini-batches see moved weights.
-    result = _run(tmp_path, {"mb4": ["optim.mini_batches_per_step=4", "optim.lr=5e-2"]},
-                  ["steps=3", "env.name=synthetic", "env.options={num_tasks: 16}"])
+    result = _run(
+        tmp_path,
+        {"mb4": ["optim.mini_batches_per_step=4", "optim.lr=5e-2"]},
+        ["steps=3", "env.name=synthetic", "env.options={num_tasks: 16}"],
+    )
     rows = result["mb4"]
     assert all(r["loss/optimizer_steps"] == 4.0 for r in rows)
     assert max(r["loss/clip_fraction"] for r in rows) > 0.0

@@ -1,4 +1,5 @@
 """pass@k (unbiased), mean@n, per-benchmark rows, reports; evaluation through the real agent loop."""
+
 import itertools
 import json
 import math
@@ -35,8 +36,11 @@ def test_group_precedence():
 
 
 def test_summary_rows_macro_markdown_and_json(tmp_path):
-    results = [TaskResult("a0", "aime", [1, 0, 0, 0]), TaskResult("a1", "aime", [1, 1, 0, 0]),
-               TaskResult("m0", "math500", [0, 0, 0, 0])]
+    results = [
+        TaskResult("a0", "aime", [1, 0, 0, 0]),
+        TaskResult("a1", "aime", [1, 1, 0, 0]),
+        TaskResult("m0", "math500", [0, 0, 0, 0]),
+    ]
     rep = summarize(results, ks=[1, 2, 4], split="test")
     assert list(rep.rows) == ["aime", "math500", "all", "macro"]
     aime = rep.rows["aime"]
@@ -53,8 +57,11 @@ def test_summary_rows_macro_markdown_and_json(tmp_path):
     assert "| aime | 2 | 37.5 | 37.5 | 66.7 | 100.0 |" in md and "| **macro** | 3 | 18.8 |" in md
     js, mdp = rep.write(tmp_path, "test")
     data = json.loads(js.read_text())
-    assert data["rows"]["aime"]["pass@4"] == 1.0 and data["tasks"][2] == {"task_id": "m0", "group": "math500",
-                                                                           "rewards": [0, 0, 0, 0]}
+    assert data["rows"]["aime"]["pass@4"] == 1.0 and data["tasks"][2] == {
+        "task_id": "m0",
+        "group": "math500",
+        "rewards": [0, 0, 0, 0],
+    }
     assert mdp.read_text() == md
     # Continuous rewards (F1): mean@n averages the scores, pass@k counts rewards above the threshold.
     f1 = summarize([TaskResult("q", "hotpotqa", [0.4, 0.8])], ks=[1, 2])
@@ -102,7 +109,11 @@ def test_evaluate_math_benchmarks_through_the_agent_loop(tmp_path):
     from trace_mega.rollout.agent_loop import AgentLoop
 
     (tmp_path / "aime24.jsonl").write_text(
-        json.dumps({"id": 1, "problem": "p0", "answer": "4"}) + "\n" + json.dumps({"id": 2, "problem": "p1", "answer": "5"}) + "\n")
+        json.dumps({"id": 1, "problem": "p0", "answer": "4"})
+        + "\n"
+        + json.dumps({"id": 2, "problem": "p1", "answer": "5"})
+        + "\n"
+    )
     pq.write_table(pa.Table.from_pylist([{"problem": "p2", "answer": "4"}]), tmp_path / "math500.parquet")
     env = MathPythonEnv(test_path=[str(tmp_path / "aime24.jsonl"), str(tmp_path / "math500.parquet")])
     tok = build_tiny_tokenizer(["p0", "p1", "p2"], ["<answer>4</answer>", "<answer>5</answer>"])

@@ -1,5 +1,5 @@
 """`trace-mega plan`: parameter counts equal the real networks', and the shipped configs fit (or fail naming the field)."""
-import dataclasses
+
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +11,7 @@ import transformers
 from trace_mega.config import ConfigError, ModelConfig, TrainConfig, load_yaml
 from trace_mega.learner.learner import hf_config
 from trace_mega.learner.models import model_config_from_hf
-from trace_mega.plan import GIB, count_params, format_plan, plan_memory, replace_cluster
+from trace_mega.plan import GIB, count_params, format_plan, plan_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "demo_cpu.yaml"
@@ -23,20 +23,39 @@ def _hf_numel(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("model", [
-    ModelConfig(vocab_size=97, tie_word_embeddings=True),
-    ModelConfig(vocab_size=97, tie_word_embeddings=False, num_layers=3, hidden_size=96, head_dim=32),
-    ModelConfig(vocab_size=101, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, tie_word_embeddings=False),
-])
+@pytest.mark.parametrize(
+    "model",
+    [
+        ModelConfig(vocab_size=97, tie_word_embeddings=True),
+        ModelConfig(vocab_size=97, tie_word_embeddings=False, num_layers=3, hidden_size=96, head_dim=32),
+        ModelConfig(
+            vocab_size=101, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, tie_word_embeddings=False
+        ),
+    ],
+)
 def test_count_params_equals_the_hf_network(model):
     assert count_params(model).total == _hf_numel(hf_config(model))
 
 
 def test_count_params_qwen2_bias_and_llama():
-    qwen2 = transformers.Qwen2Config(vocab_size=90, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    llama = transformers.LlamaConfig(vocab_size=90, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    qwen2 = transformers.Qwen2Config(
+        vocab_size=90,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    llama = transformers.LlamaConfig(
+        vocab_size=90,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     for hf in (qwen2, llama):
         assert count_params(model_config_from_hf(hf)).total == _hf_numel(hf)
 
@@ -60,11 +79,29 @@ def test_shipped_large_configs_fit_their_cluster(name):
 
 def test_sharding_arithmetic_by_hand():
     """A dense model at TP=2, DP=2 (4 GPUs), bf16, distributed optimizer: every component by hand."""
-    m = ModelConfig(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_query_groups=4,
-                    head_dim=32, vocab_size=1000, tie_word_embeddings=False, params_dtype="bfloat16")
-    cfg = load_yaml(TrainConfig, DEMO, ["parallel.tensor_model_parallel_size=2", "cluster.nodes=1",
-                                        "cluster.gpus_per_node=4", "parallel.micro_batch_tokens=128",
-                                        "rollout.gpu_memory_utilization=0.5", "cluster.gpu_memory_gib=10"])
+    m = ModelConfig(
+        num_layers=4,
+        hidden_size=256,
+        ffn_hidden_size=512,
+        num_attention_heads=8,
+        num_query_groups=4,
+        head_dim=32,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+        params_dtype="bfloat16",
+    )
+    cfg = load_yaml(
+        TrainConfig,
+        DEMO,
+        [
+            "parallel.tensor_model_parallel_size=2",
+            "cluster.nodes=1",
+            "cluster.gpus_per_node=4",
+            "parallel.micro_batch_tokens=128",
+            "rollout.gpu_memory_utilization=0.5",
+            "cluster.gpu_memory_gib=10",
+        ],
+    )
     plan = plan_memory(cfg, model=m)
     h, q, kv = 256, 256, 128
     linear = (h * q + 2 * h * kv + q * h + 3 * h * 512) // 2  # split over TP
@@ -87,16 +124,22 @@ def test_configs_that_cannot_fit_name_the_field():
     errs = _plan_errors("qwen3_30b_a3b_bfcl.yaml", "parallel.expert_model_parallel_size=8")
     assert len(errs) == 1 and errs[0].startswith("rollout.gpu_memory_utilization:")
     # Replicas of 2 GPUs: the engine's weights leave no room for one trajectory's KV cache.
-    errs = _plan_errors("qwen3_30b_a3b_bfcl.yaml", "rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.38")
+    errs = _plan_errors(
+        "qwen3_30b_a3b_bfcl.yaml", "rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.38"
+    )
     assert any(e.startswith("rollout.gpu_memory_utilization:") and "KV cache" in e for e in errs)
     # Micro-batches of 16k tokens without recomputation do not fit the 30B learner.
     errs = _plan_errors("qwen3_30b_a3b_bfcl.yaml", "parallel.micro_batch_tokens=16384")
     assert len(errs) == 1 and errs[0].startswith("parallel.micro_batch_tokens:")
     # Layouts that do not divide the model or the world.
-    assert any(e.startswith("parallel.tensor_model_parallel_size:")
-               for e in _plan_errors("qwen3_14b_multihop.yaml", "parallel.tensor_model_parallel_size=16"))
-    assert any(e.startswith("parallel.expert_model_parallel_size:")
-               for e in _plan_errors("qwen3_30b_a3b_bfcl.yaml", "parallel.expert_model_parallel_size=12"))
+    assert any(
+        e.startswith("parallel.tensor_model_parallel_size:")
+        for e in _plan_errors("qwen3_14b_multihop.yaml", "parallel.tensor_model_parallel_size=16")
+    )
+    assert any(
+        e.startswith("parallel.expert_model_parallel_size:")
+        for e in _plan_errors("qwen3_30b_a3b_bfcl.yaml", "parallel.expert_model_parallel_size=12")
+    )
 
 
 def test_engine_sleep_changes_the_training_peak():
@@ -116,8 +159,15 @@ def test_unknown_checkpoint_without_config_is_a_config_error(tmp_path):
 
 
 def test_checkpoint_config_json_wins_over_cards(tmp_path):
-    hf = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    hf = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     ckpt = tmp_path / "Qwen3-14B"  # named like a card, but its own config.json is read
     hf.save_pretrained(ckpt)
     cfg = load_yaml(TrainConfig, DEMO, [f"model.hf_checkpoint={ckpt}"])
@@ -125,7 +175,14 @@ def test_checkpoint_config_json_wins_over_cards(tmp_path):
 
 
 def test_cli_exit_codes():
-    cmd = [sys.executable, "-m", "trace_mega.cli", "plan", "--config", str(ROOT / "configs" / "qwen3_30b_a3b_bfcl.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trace_mega.cli",
+        "plan",
+        "--config",
+        str(ROOT / "configs" / "qwen3_30b_a3b_bfcl.yaml"),
+    ]
     ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "| engine KV cache |" in ok.stdout and ok.stdout.rstrip().endswith("fits")

@@ -1,4 +1,5 @@
 """The warm start: transcript policy, determinism, cache, and the checkpoint as a user loads it."""
+
 import hashlib
 import json
 import os
@@ -14,9 +15,18 @@ from trace_mega.pretrain import SearchTranscriptEngine, config_hash, resolve_in_
 from trace_mega.rollout.agent_loop import AgentLoop
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["steps=6", "episodes_per_step=4", "num_stores=16", "model.num_layers=1", "model.hidden_size=16",
-        "model.ffn_hidden_size=32", "model.num_attention_heads=2", "model.num_query_groups=1", "model.head_dim=8",
-        "model.max_position_embeddings=256"]
+TINY = [
+    "steps=6",
+    "episodes_per_step=4",
+    "num_stores=16",
+    "model.num_layers=1",
+    "model.hidden_size=16",
+    "model.ffn_hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.num_query_groups=1",
+    "model.head_dim=8",
+    "model.max_position_embeddings=256",
+]
 
 
 def test_resolve_in_context_by_hand():
@@ -67,8 +77,14 @@ def test_config_hash_ignores_only_the_cache_dir():
 def _pretrain(cache: Path, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "trace_mega.cli", "pretrain", *TINY, f"cache_dir={cache}", *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trace_mega.cli", "pretrain", *TINY, f"cache_dir={cache}", *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return Path(proc.stdout.strip().splitlines()[-1]), proc
 
@@ -105,8 +121,12 @@ def _walk_rates(correct: float, answer: float, samples: int = 64) -> dict[tuple[
 
     opts = dict(width=5, max_distance=2, slips=[0.0, 0.9], slip_in_prompt="level")
     env = build_env("synthetic_tools", **opts, seed=3)
-    cfg = PretrainConfig(env=EnvConfig(name="synthetic_tools", options=opts), correct_action_prob=correct,
-                         answer_prob=answer, max_turns=6)
+    cfg = PretrainConfig(
+        env=EnvConfig(name="synthetic_tools", options=opts),
+        correct_action_prob=correct,
+        answer_prob=answer,
+        max_turns=6,
+    )
     rc = RolloutConfig(max_turns=6, max_new_tokens_per_turn=3, max_total_tokens=256)
     with AgentLoop(env, WalkTranscriptEngine(env.tokenizer, cfg), env.tokenizer, rc) as loop:
         trees = loop.rollout(env.tasks(), [samples] * len(env.tasks()), seed=1)
@@ -115,7 +135,8 @@ def _walk_rates(correct: float, answer: float, samples: int = 64) -> dict[tuple[
         assert all(n.kind != "error" for n in tree.nodes)  # only well-formed turns
         assert all(tree.depth(leaf) <= 6 for leaf in tree.leaves())
         by.setdefault((task.meta["slip"], abs(task.meta["goal"] - task.meta["start"])), []).extend(
-            tree.nodes[leaf].reward for leaf in tree.leaves())
+            tree.nodes[leaf].reward for leaf in tree.leaves()
+        )
     return {k: sum(v) / len(v) for k, v in by.items()}
 
 
@@ -133,12 +154,17 @@ def test_the_walker_transcripts_spread_difficulty_and_its_competence_is_the_knob
 
 @pytest.mark.slow
 def test_pretrain_on_the_walk_learns_the_transcripts(tmp_path):
-    walk = ["env.name=synthetic_tools", "env.options={width: 5, max_distance: 2, slips: [0.0, 0.9], "
-            "slip_in_prompt: level}", "steps=30", "episodes_per_step=8"]
+    walk = [
+        "env.name=synthetic_tools",
+        "env.options={width: 5, max_distance: 2, slips: [0.0, 0.9], slip_in_prompt: level}",
+        "steps=30",
+        "episodes_per_step=8",
+    ]
     a, _ = _pretrain(tmp_path, *walk)
     record = json.loads((a / "pretrain.json").read_text())
     assert record["nll_last10"] < 0.6 * record["nll_first"]  # 3.7 -> 1.9 for this 1-layer model in 30 steps
     from transformers import AutoTokenizer
 
     from trace_mega.envs.synthetic import tiny_tokenizer
+
     assert AutoTokenizer.from_pretrained(a).get_vocab() == tiny_tokenizer().get_vocab()

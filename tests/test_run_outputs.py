@@ -4,6 +4,7 @@ periodic validation in the metrics rows, and a W&B run (offline) with the JSONL'
 One real 2-step CPU run (megatron + gloo) in a subprocess serves the quiet-console,
 log-file, validation and W&B checks; a 1-step `--verbose` run the verbose check.
 """
+
 import json
 import os
 import struct
@@ -15,11 +16,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12", "rollout.max_turns=4",
-         "telemetry.tensorboard=false"]
+SMALL = [
+    "allocation.prompts_per_step=8",
+    "allocation.root_rollouts_per_step=12",
+    "rollout.max_turns=4",
+    "telemetry.tensorboard=false",
+]
 # Library output that belongs in the log file only (megatron-core 0.16.1 on CPU).
-NOISE = ["OptimizerConfig(", "DistributedDataParallelConfig(", "Params for bucket", "Apex is not installed",
-         "Transformer Engine and Apex are not installed"]
+NOISE = [
+    "OptimizerConfig(",
+    "DistributedDataParallelConfig(",
+    "Params for bucket",
+    "Apex is not installed",
+    "Transformer Engine and Apex are not installed",
+]
 
 
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -34,8 +44,17 @@ def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("quiet")
-    proc = _train(out, "--config", "demo_cpu", "steps=2", "eval.every_steps=2", "eval.max_tasks=4",
-                  "eval.samples_per_task=4", "telemetry.wandb_project=trace-mega-test", "telemetry.wandb_mode=offline")
+    proc = _train(
+        out,
+        "--config",
+        "demo_cpu",
+        "steps=2",
+        "eval.every_steps=2",
+        "eval.max_tasks=4",
+        "eval.samples_per_task=4",
+        "telemetry.wandb_project=trace-mega-test",
+        "telemetry.wandb_mode=offline",
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out, proc.stdout + proc.stderr, rows
 
@@ -83,8 +102,8 @@ def _wandb_records(path: Path) -> list[bytes]:
         if block - pos % block < 7:  # block trailer
             pos += block - pos % block
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        payload = data[pos + 7:pos + 7 + length]
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        payload = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(bytes([kind]) + payload) & 0xFFFFFFFF == crc
         pos += 7 + length
         part += payload
@@ -136,6 +155,8 @@ def test_console_filter():
     assert not quiet.filter(rec("py.warnings", logging.WARNING))  # libraries' warnings.warn
     assert quiet.filter(rec("transformers.modeling_utils", logging.WARNING))
     assert quiet.filter(rec("megatron.core", logging.ERROR))
-    assert verbose.filter(rec("megatron.core.optimizer", logging.INFO)) and verbose.filter(rec("py.warnings", logging.WARNING))
+    assert verbose.filter(rec("megatron.core.optimizer", logging.INFO)) and verbose.filter(
+        rec("py.warnings", logging.WARNING)
+    )
     assert not rank1.filter(rec("trace_mega", logging.INFO)) and rank1.filter(rec("trace_mega", logging.WARNING))
     assert not rank1.filter(rec("vllm.engine", logging.WARNING)) and rank1.filter(rec("vllm.engine", logging.ERROR))

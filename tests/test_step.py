@@ -7,6 +7,7 @@ counts the tokens each step forwards, checks that the step's one layout
 equals a fresh pack of its final trees, and drives the predictor fallback
 guard with a predictor forced worse, or better, than a constant.
 """
+
 import json
 import os
 import subprocess
@@ -110,15 +111,28 @@ def _trainer_run(out_dir: Path, run: str) -> list[dict]:
     from trace_mega.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = load_yaml(TrainConfig, ROOT / "configs" / "demo_cpu.yaml", [
-        "steps=3", "allocation.name=trace", "allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12",
-        "rollout.max_turns=4", "telemetry.tensorboard=false", "telemetry.progress_bars=false",
-        # the synthetic env pays from step 0: the forced predictors' targets are not all 0
-        "env.name=synthetic", "env.options={num_tasks: 16}", f"telemetry.out_dir={out_dir}"])
+    cfg = load_yaml(
+        TrainConfig,
+        ROOT / "configs" / "demo_cpu.yaml",
+        [
+            "steps=3",
+            "allocation.name=trace",
+            "allocation.prompts_per_step=8",
+            "allocation.root_rollouts_per_step=12",
+            "rollout.max_turns=4",
+            "telemetry.tensorboard=false",
+            "telemetry.progress_bars=false",
+            # the synthetic env pays from step 0: the forced predictors' targets are not all 0
+            "env.name=synthetic",
+            "env.options={num_tasks: 16}",
+            f"telemetry.out_dir={out_dir}",
+        ],
+    )
     trainer = Trainer(cfg)
     forwards, sizes, steps = [], {}, []
     trainer.learner.policy.register_forward_pre_hook(
-        lambda mod, args: forwards.append((int(args[0].shape[1]), torch.is_grad_enabled())))
+        lambda mod, args: forwards.append((int(args[0].shape[1]), torch.is_grad_enabled()))
+    )
 
     def recorded(name, fn):
         def call(batch, *a, **kw):
@@ -130,22 +144,33 @@ def _trainer_run(out_dir: Path, run: str) -> list[dict]:
                 _assert_same_layout(batch.packed, fresh_pack(batch.trees))
                 sizes["roots"] = sum(len(t.nodes[0].token_ids) for t in batch.trees)
             return result
+
         return call
 
     trainer.rollouts.roll_out = recorded("bare", trainer.rollouts.roll_out)
     trainer.rollouts.expand = recorded("final", trainer.rollouts.expand)
     if run != "real":  # a predictor forced better (the targets) or worse (1 - targets) than any constant
+
         def forced(packed, nodes, hidden=None):
             v = (packed.node_reward_sum[nodes] / packed.node_leaf_count[nodes].clamp(min=1)).float()
             return v if run == "oracle" else 1.0 - v
+
         trainer.predictor.predict = forced
     real_log = trainer.sink.log
 
     def log(step, metrics, tag=""):
-        steps.append({"tag": tag, "fallback": metrics["alloc/fallback"], "skill": metrics.get("predictor/skill"),
-                      "no_grad": sum(n for n, g in forwards if not g), "grad": sum(n for n, g in forwards if g),
-                      "trajectories": metrics["alloc/trajectories"], "unspent": metrics["alloc/budget_unspent"],
-                      **sizes})
+        steps.append(
+            {
+                "tag": tag,
+                "fallback": metrics["alloc/fallback"],
+                "skill": metrics.get("predictor/skill"),
+                "no_grad": sum(n for n, g in forwards if not g),
+                "grad": sum(n for n, g in forwards if g),
+                "trajectories": metrics["alloc/trajectories"],
+                "unspent": metrics["alloc/budget_unspent"],
+                **sizes,
+            }
+        )
         forwards.clear()
         sizes.clear()
         return real_log(step, metrics, tag=tag)
@@ -163,8 +188,9 @@ def test_policy_forwards_per_step_and_the_fallback_guard(tmp_path):
     out = tmp_path / "runs.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, __file__, str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for run, steps in json.loads(out.read_text()).items():
         for s in steps:

@@ -1,4 +1,5 @@
 """End-to-end trainer runs on CPU: each a real `trace-mega train` process (megatron + gloo)."""
+
 import json
 import signal
 import subprocess
@@ -12,8 +13,13 @@ from trace_mega.kernels._triton_env import env_without_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "demo_cpu.yaml"
-SMALL = ["allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12", "rollout.max_turns=4",
-         "telemetry.tensorboard=false", "telemetry.progress_bars=false"]
+SMALL = [
+    "allocation.prompts_per_step=8",
+    "allocation.root_rollouts_per_step=12",
+    "rollout.max_turns=4",
+    "telemetry.tensorboard=false",
+    "telemetry.progress_bars=false",
+]
 
 
 def _env():
@@ -21,8 +27,17 @@ def _env():
 
 
 def _train(out: Path, *overrides: str, timeout: int = 300) -> list[dict]:
-    cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL,
-           f"telemetry.out_dir={out}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trace_mega.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        *SMALL,
+        f"telemetry.out_dir={out}",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _rows(out)
@@ -82,8 +97,18 @@ def test_sigkill_mid_step_resumes_with_the_same_data_order(tmp_path):
     steps = ["steps=4", "checkpoint.every_steps=1"]
     ref = _train(tmp_path / "ref", *steps, f"checkpoint.dir={tmp_path / 'ck_ref'}")
     out, ck = tmp_path / "run", tmp_path / "ck"
-    cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, *steps,
-           f"telemetry.out_dir={out}", f"checkpoint.dir={ck}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trace_mega.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        *SMALL,
+        *steps,
+        f"telemetry.out_dir={out}",
+        f"checkpoint.dir={ck}",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kill_once_two_steps_logged(proc, out, lambda: proc.send_signal(signal.SIGKILL))
     rows = _train(out, *steps, f"checkpoint.dir={ck}")
@@ -97,9 +122,24 @@ def test_sigkill_mid_step_resumes_with_the_same_data_order(tmp_path):
 def test_torchrun_tp2_two_steps(tmp_path):
     from trace_mega.learner.parallel import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, "steps=2",
-           "parallel.tensor_model_parallel_size=2", f"telemetry.out_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trace_mega.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        *SMALL,
+        "steps=2",
+        "parallel.tensor_model_parallel_size=2",
+        f"telemetry.out_dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _rows(tmp_path)

@@ -2,6 +2,7 @@
 
 The demo config on the `synthetic` environment (its random policy earns rewards from step 0,
 so advantages and losses are non-zero and the comparison can fail), shrunk to two steps."""
+
 import math
 import subprocess
 import sys
@@ -14,8 +15,19 @@ from trace_mega.learner.parallel import free_port
 # The guard keeps an unmeasured predictor off the first steps; off here, so both steps plan with
 # the predictor's (DP-split) scores.
 RUN = ["steps=2", "env.name=synthetic", "env.options={num_tasks: 16}", "allocation.predictor_fallback=false"]
-EXACT = ("alloc/", "reward/", "data/", "rollout/generated_tokens", "rollout/truncated", "rollout/tool_calls",
-         "rollout/parse_errors", "rollout/turns_per_episode", "loss/units", "loss/optimizer_steps", "predictor/samples")
+EXACT = (
+    "alloc/",
+    "reward/",
+    "data/",
+    "rollout/generated_tokens",
+    "rollout/truncated",
+    "rollout/tool_calls",
+    "rollout/parse_errors",
+    "rollout/turns_per_episode",
+    "loss/units",
+    "loss/optimizer_steps",
+    "predictor/samples",
+)
 
 
 # Differences of two nearly equal log-prob streams (engine vs learner, policy vs reference): their
@@ -24,8 +36,23 @@ DIFFERENCES = ("loss/logprob_mismatch", "loss/kl_ref", "loss/approx_kl")
 
 
 def _torchrun(out, *overrides, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, f"telemetry.out_dir={out}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trace_mega.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        *SMALL,
+        f"telemetry.out_dir={out}",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _rows(out)
@@ -48,7 +75,9 @@ def assert_same_run(one: list[dict], two: list[dict], replicas: int) -> None:
         assert a["rollout/replicas_generating"] == 1 and b["rollout/replicas_generating"] == replicas
         assert b["rollout/replica_trajectories_min"] > 0
         if replicas > 1:  # every replica took a share, none took it all
-            assert b["rollout/replica_trajectories_min"] + b["rollout/replica_trajectories_max"] <= a["alloc/trajectories"]
+            assert (
+                b["rollout/replica_trajectories_min"] + b["rollout/replica_trajectories_max"] <= a["alloc/trajectories"]
+            )
         for k, v in a.items():
             if k.startswith(EXACT):
                 ok = b[k] == v or (v != v and b[k] != b[k])
@@ -72,8 +101,11 @@ def assert_same_run(one: list[dict], two: list[dict], replicas: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", [[*RUN, "allocation.name=trace"], [*RUN, "allocation.name=trace_global"], CREDIT],
-                         ids=["trace", "trace_global", "trace_c_probe"])
+@pytest.mark.parametrize(
+    "run",
+    [[*RUN, "allocation.name=trace"], [*RUN, "allocation.name=trace_global"], CREDIT],
+    ids=["trace", "trace_global", "trace_c_probe"],
+)
 def test_dp2_equals_dp1(tmp_path, run):
     one = _train(tmp_path / "dp1", *run)
     two = _torchrun(tmp_path / "dp2", *run)
@@ -85,8 +117,14 @@ def test_dp2_equals_dp1(tmp_path, run):
 
 # Every no-grad pass (predictions, the probe, reference and old log-probs) and the update
 # through two pipeline stages: two mini-batches make the old-log-prob forward run.
-PIPELINE = [*RUN, "allocation.name=trace", "credit.enabled=true", "credit.answer_template=goal", "loss.kl_coef=0.01",
-            "optim.mini_batches_per_step=2"]
+PIPELINE = [
+    *RUN,
+    "allocation.name=trace",
+    "credit.enabled=true",
+    "credit.answer_template=goal",
+    "loss.kl_coef=0.01",
+    "optim.mini_batches_per_step=2",
+]
 
 
 @pytest.mark.slow
@@ -115,11 +153,27 @@ def test_sigkill_mid_step_under_dp2_resumes_with_the_same_data_order(tmp_path):
     steps = ["steps=4", "checkpoint.every_steps=1"]
     ref = _train(tmp_path / "ref", *steps, f"checkpoint.dir={tmp_path / 'ck_ref'}")
     out, ck = tmp_path / "run", tmp_path / "ck"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, *steps, f"telemetry.out_dir={out}",
-           f"checkpoint.dir={ck}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trace_mega.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        *SMALL,
+        *steps,
+        f"telemetry.out_dir={out}",
+        f"checkpoint.dir={ck}",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     kill_once_two_steps_logged(proc, out, lambda: os.killpg(proc.pid, signal.SIGKILL))  # torchrun and both ranks
     rows = _torchrun(out, *steps, f"checkpoint.dir={ck}")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

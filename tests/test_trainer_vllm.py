@@ -5,6 +5,7 @@ the engine starts from an HF dump of the Megatron policy, branches reuse the
 prefix cache, and the weights are updated in memory after every step (the demo
 policy ties its embeddings, so this also covers the tied LM head).
 """
+
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from trace_mega.kernels._triton_env import env_without_interpreter
 def _env() -> dict:
     return env_without_interpreter() | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
+
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
@@ -28,11 +30,24 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_two_trace_steps_on_vllm(tmp_path):
     env = env_without_interpreter() | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
-           "steps=2", "rollout.engine=vllm", "model.head_dim=32",  # vLLM's CPU attention needs head_dim >= 32
-           "rollout.kv_block_size_tokens=32",  # hits come in whole blocks (CPU: multiples of 32)
-           "allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12", "rollout.max_turns=4",
-           "telemetry.tensorboard=false", "telemetry.progress_bars=false", f"telemetry.out_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trace_mega.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "demo_cpu.yaml"),
+        "steps=2",
+        "rollout.engine=vllm",
+        "model.head_dim=32",  # vLLM's CPU attention needs head_dim >= 32
+        "rollout.kv_block_size_tokens=32",  # hits come in whole blocks (CPU: multiples of 32)
+        "allocation.prompts_per_step=8",
+        "allocation.root_rollouts_per_step=12",
+        "rollout.max_turns=4",
+        "telemetry.tensorboard=false",
+        "telemetry.progress_bars=false",
+        f"telemetry.out_dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -47,9 +62,15 @@ def test_two_trace_steps_on_vllm(tmp_path):
     assert (tmp_path / "hf_init" / "config.json").exists()
 
 
-VLLM = ["env.name=synthetic", "env.options={num_tasks: 16}", "steps=2", "allocation.predictor_fallback=false",
-        "rollout.engine=vllm", "model.head_dim=32",
-        "rollout.kv_block_size_tokens=32"]
+VLLM = [
+    "env.name=synthetic",
+    "env.options={num_tasks: 16}",
+    "steps=2",
+    "allocation.predictor_fallback=false",
+    "rollout.engine=vllm",
+    "model.head_dim=32",
+    "rollout.kv_block_size_tokens=32",
+]
 
 
 def _vllm_env() -> dict:
@@ -67,8 +88,17 @@ def test_vllm_replicas_under_torchrun_equal_one_process(tmp_path, layout):
     from test_trainer_replicas import _torchrun, assert_same_run
 
     out = tmp_path / "one"
-    cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(CONFIG), *SMALL, *VLLM,
-           f"telemetry.out_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trace_mega.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        *SMALL,
+        *VLLM,
+        f"telemetry.out_dir={out}",
+    ]
     proc = sp.run(cmd, cwd=ROOT, env=_vllm_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one = _rows(out)

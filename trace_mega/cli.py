@@ -22,6 +22,7 @@
 progress bars and warnings; library logs go to `<run dir>/<command>.log`
 (and to the console with `--verbose`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,28 +85,41 @@ def _ks(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--verbose", "-v", action="store_true",
-                        help="also print library logs (Megatron, transformers, vLLM) and their warnings")
+    common.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="also print library logs (Megatron, transformers, vLLM) and their warnings",
+    )
     parser = argparse.ArgumentParser(prog="trace-mega", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("demo", parents=[common],
-                       help="tiny CPU run: uniform GRPO vs TreePO vs TRACE at equal budget, with a report")
+    p = sub.add_parser(
+        "demo", parents=[common], help="tiny CPU run: uniform GRPO vs TreePO vs TRACE at equal budget, with a report"
+    )
     p.add_argument("--out", default="runs/demo", help="output directory of the report")
     p.add_argument("--seeds", type=int, default=1, help="seeds per method, run one after the other (default 1)")
-    p.add_argument("--config", default="demo_cpu", help="base config, a shipped name or a YAML path (default: demo_cpu)")
-    p.add_argument("--pretrain-config", default=None,
-                   help="warm start's transcript policy (default: pretrain_tools; its env and model are the demo's)")
+    p.add_argument(
+        "--config", default="demo_cpu", help="base config, a shipped name or a YAML path (default: demo_cpu)"
+    )
+    p.add_argument(
+        "--pretrain-config",
+        default=None,
+        help="warm start's transcript policy (default: pretrain_tools; its env and model are the demo's)",
+    )
     p.add_argument("--from-scratch", action="store_true", help="no warm start: every run starts from a random init")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
     p = sub.add_parser("train", parents=[common], help="train from a config")
     p.add_argument("--config", required=True, help="a shipped config name (demo_cpu, ...) or a YAML path")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. allocation.name=uniform")
-    p = sub.add_parser("eval", parents=[common], help="pass@k / mean@n per benchmark of a config's policy "
-                                                       "(from its checkpoint if any)")
+    p = sub.add_parser(
+        "eval", parents=[common], help="pass@k / mean@n per benchmark of a config's policy (from its checkpoint if any)"
+    )
     p.add_argument("--config", required=True, help="a shipped config name or a YAML path")
     p.add_argument("--split", default=None, help="task split (default: eval.split)")
     p.add_argument("--samples", type=int, default=None, help="n: samples per task (default: eval.samples_per_task)")
-    p.add_argument("--k", type=_ks, default=None, help="comma-separated k of pass@k, each <= n (default: 1, 2, 4, ..., n)")
+    p.add_argument(
+        "--k", type=_ks, default=None, help="comma-separated k of pass@k, each <= n (default: 1, 2, 4, ..., n)"
+    )
     p.add_argument("--max-tasks", type=int, default=None, help="evaluate only the first N tasks")
     p.add_argument("--out", default=None, help="directory of <split>.json / <split>.md (default: <out_dir>/eval)")
     p.add_argument("overrides", nargs="*")
@@ -114,14 +128,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--out", required=True, help="HF checkpoint directory to write")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to rebuild the model")
-    p = sub.add_parser("plan", parents=[common], help="per-GPU memory of a config on its cluster (fails naming the field)")
+    p = sub.add_parser(
+        "plan", parents=[common], help="per-GPU memory of a config on its cluster (fails naming the field)"
+    )
     p.add_argument("--config", required=True, help="a shipped config name or a YAML path")
     p.add_argument("--nodes", type=int, default=None, help="override cluster.nodes")
     p.add_argument("--gpus-per-node", type=int, default=None, help="override cluster.gpus_per_node")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="override cluster.gpu_memory_gib")
     p.add_argument("overrides", nargs="*")
     sub.add_parser("bench", help="run the shipped benchmarks/bench_NAME.py (trace-mega bench NAME --help)")
-    sub.add_parser("pretrain", help="the cached warm start for synthetic_search / synthetic_tools (trace-mega pretrain --help)")
+    sub.add_parser(
+        "pretrain", help="the cached warm start for synthetic_search / synthetic_tools (trace-mega pretrain --help)"
+    )
     return parser
 
 
@@ -142,8 +160,10 @@ def _credit_demo(argv: list[str]) -> int:
     from trace_mega.config import ConfigError
     from trace_mega.credit_demo import METHODS, run_credit_demo
 
-    p = argparse.ArgumentParser(prog="trace-mega demo credit",
-                                description="TRACE-C vs outcome-only credit on synthetic_search, from the warm start")
+    p = argparse.ArgumentParser(
+        prog="trace-mega demo credit",
+        description="TRACE-C vs outcome-only credit on synthetic_search, from the warm start",
+    )
     p.add_argument("--out", default="runs/credit_demo", help="output directory of the report")
     p.add_argument("--config", default=None, help="base config (default: configs/credit_demo.yaml)")
     p.add_argument("--pretrain-config", default=None, help="warm start (default: configs/pretrain_search.yaml)")
@@ -157,9 +177,15 @@ def _credit_demo(argv: list[str]) -> int:
 
     setup_logging(verbose=args.verbose)
     try:
-        run_credit_demo(args.out, args.config, args.pretrain_config, args.overrides,
-                        seeds=[int(s) for s in args.seeds.split(",")], methods=args.methods.split(","),
-                        threshold=args.threshold)
+        run_credit_demo(
+            args.out,
+            args.config,
+            args.pretrain_config,
+            args.overrides,
+            seeds=[int(s) for s in args.seeds.split(",")],
+            methods=args.methods.split(","),
+            threshold=args.threshold,
+        )
     except ConfigError as exc:
         print(f"invalid config: {exc}", file=sys.stderr)
         return 2
@@ -171,9 +197,12 @@ def _pretrain(argv: list[str]) -> int:
     from trace_mega.pretrain import pretrain
 
     p = argparse.ArgumentParser(prog="trace-mega pretrain", description="the cached warm start (HF checkpoint)")
-    p.add_argument("--config", default=None,
-                   help="PretrainConfig: a shipped name (pretrain_search, pretrain_tools) or a YAML path "
-                        "(default: pretrain_search)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="PretrainConfig: a shipped name (pretrain_search, pretrain_tools) or a YAML path "
+        "(default: pretrain_search)",
+    )
     p.add_argument("--force", action="store_true", help="retrain even when the cache has this config")
     p.add_argument("--verbose", "-v", action="store_true", help="also print library logs")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=100")
@@ -185,8 +214,9 @@ def _pretrain(argv: list[str]) -> int:
     from trace_mega.resources import resolve_config
 
     try:
-        cfg = load_yaml(PretrainConfig, resolve_config(args.config) if args.config else DEFAULT_PRETRAIN,
-                        args.overrides)
+        cfg = load_yaml(
+            PretrainConfig, resolve_config(args.config) if args.config else DEFAULT_PRETRAIN, args.overrides
+        )
     except (ConfigError, FileNotFoundError) as exc:
         print(f"invalid config: {exc}" if isinstance(exc, ConfigError) else str(exc), file=sys.stderr)
         return 2
@@ -222,16 +252,22 @@ def main(argv: list[str] | None = None) -> int:
             from trace_mega.demo import run_demo
 
             log_to_file(args.out, "demo")
-            run_demo(out_dir=args.out, config_path=config, overrides=args.overrides, seeds=args.seeds,
-                     pretrain_config_path=args.pretrain_config and resolve_config(args.pretrain_config),
-                     from_scratch=args.from_scratch)
+            run_demo(
+                out_dir=args.out,
+                config_path=config,
+                overrides=args.overrides,
+                seeds=args.seeds,
+                pretrain_config_path=args.pretrain_config and resolve_config(args.pretrain_config),
+                from_scratch=args.from_scratch,
+            )
             return 0
         cfg = load_yaml(TrainConfig, config, _eval_overrides(args) if args.cmd == "eval" else args.overrides)
         if args.cmd == "plan":
             from trace_mega.plan import format_plan, plan_memory, replace_cluster
 
-            cfg = replace_cluster(cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                                  gpu_memory_gib=args.gpu_memory_gib)
+            cfg = replace_cluster(
+                cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory_gib
+            )
             plan = plan_memory(cfg)
             print(format_plan(cfg, plan))
             return 1 if plan.errors else 0

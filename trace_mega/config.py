@@ -4,6 +4,7 @@ YAML files in `configs/` only set these fields; unknown keys are errors that
 name the dotted field path (see `configbase.load_config`). Each field has a
 docstring; units are in the names.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from trace_mega.configbase import ConfigError, load_config, load_yaml, require, save_yaml, to_dict
+
 
 def _require_registered(field_name: str, module: str, registry: str, name: str) -> Any:
     """The entry `name` of `module.registry`, or a ConfigError naming the field and the valid names.
@@ -26,10 +28,27 @@ def _require_registered(field_name: str, module: str, registry: str, name: str) 
 
 
 __all__ = [
-    "AllocationConfig", "PredictorConfig", "RolloutConfig", "EnvConfig", "ModelConfig",
-    "ParallelConfig", "OptimConfig", "LossConfig", "AdvantageConfig", "CreditConfig",
-    "CheckpointConfig", "TelemetryConfig", "EvalConfig", "ClusterConfig", "TrainConfig", "PretrainConfig",
-    "ConfigError", "load_config", "load_yaml", "save_yaml", "to_dict",
+    "AllocationConfig",
+    "PredictorConfig",
+    "RolloutConfig",
+    "EnvConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "OptimConfig",
+    "LossConfig",
+    "AdvantageConfig",
+    "CreditConfig",
+    "CheckpointConfig",
+    "TelemetryConfig",
+    "EvalConfig",
+    "ClusterConfig",
+    "TrainConfig",
+    "PretrainConfig",
+    "ConfigError",
+    "load_config",
+    "load_yaml",
+    "save_yaml",
+    "to_dict",
 ]
 
 
@@ -74,8 +93,11 @@ class AllocationConfig:
         require(self.root_rollouts_per_step != 1, "root_rollouts_per_step", "1 is infeasible (m_i is never 1)")
         require(self.rollouts_per_prompt_max >= 2, "rollouts_per_prompt_max", "must be >= 2")
         require(self.group_size >= 2, "group_size", "must be >= 2 (a lone rollout has no contrast)")
-        require(2 <= self.rollouts_per_prompt_min <= self.rollouts_per_prompt_max, "rollouts_per_prompt_min",
-                "must lie in [2, rollouts_per_prompt_max]")
+        require(
+            2 <= self.rollouts_per_prompt_min <= self.rollouts_per_prompt_max,
+            "rollouts_per_prompt_min",
+            "must lie in [2, rollouts_per_prompt_max]",
+        )
         require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
         require(0.0 <= self.fallback_skill_decay < 1.0, "fallback_skill_decay", "must be in [0, 1)")
         require(0.0 <= self.exploration_fraction <= 1.0, "exploration_fraction", "must be in [0, 1]")
@@ -162,7 +184,9 @@ class RolloutConfig:
     ranks); `trace-mega plan` sizes the engines with it (README "Scaling out")."""
 
     def validate(self) -> None:
-        require(self.tensor_parallel_size is None or self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        require(
+            self.tensor_parallel_size is None or self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"
+        )
         require(self.temperature >= 0, "temperature", "must be >= 0")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
@@ -239,9 +263,12 @@ class ModelConfig:
     """Core attention leaf: tree_triton on GPU with Triton, sdpa with a materialised tree mask otherwise."""
 
     def validate(self) -> None:
-        require(not (self.num_experts and self.moe_router_topk == 1 and self.moe_norm_topk_prob),
-                "moe_norm_topk_prob", "top-1 routing with renormalised weights (all 1) is not representable by "
-                "megatron-core's router; set it false (weight = the softmax probability)")
+        require(
+            not (self.num_experts and self.moe_router_topk == 1 and self.moe_norm_topk_prob),
+            "moe_norm_topk_prob",
+            "top-1 routing with renormalised weights (all 1) is not representable by "
+            "megatron-core's router; set it false (weight = the softmax probability)",
+        )
 
 
 @dataclass
@@ -346,8 +373,11 @@ class LossConfig:
         require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         require(self.kl_clamp is None or self.kl_clamp > 0, "kl_clamp", "must be > 0 (or null)")
         require(self.rollout_is_cap >= 1, "rollout_is_cap", "must be >= 1")
-        require(self.rollout_is == "none" or self.old_logprobs == "learner", "rollout_is",
-                "corrects the learner's old log-probs against the engine's; needs old_logprobs: learner")
+        require(
+            self.rollout_is == "none" or self.old_logprobs == "learner",
+            "rollout_is",
+            "corrects the learner's old log-probs against the engine's; needs old_logprobs: learner",
+        )
         _require_registered("name", "trace_mega.learner.losses", "LOSSES", self.name)
 
 
@@ -367,10 +397,16 @@ class AdvantageConfig:
     def validate(self) -> None:
         require(0 < self.gigpo_gamma <= 1, "gigpo_gamma", "must be in (0, 1]")
         _require_registered("name", "trace_mega.learner.advantages", "ADVANTAGES", self.name)
-        require(self.name != "trace_credit", "name",
-                "picks the outcome term (grpo | rloo | tree | gigpo); TRACE-C is switched on by credit.enabled")
-        require(not (self.name == "rloo" and self.normalize_std), "normalize_std",
-                "rloo's leave-one-out baseline is not std-normalised")
+        require(
+            self.name != "trace_credit",
+            "name",
+            "picks the outcome term (grpo | rloo | tree | gigpo); TRACE-C is switched on by credit.enabled",
+        )
+        require(
+            not (self.name == "rloo" and self.normalize_std),
+            "normalize_std",
+            "rloo's leave-one-out baseline is not std-normalised",
+        )
 
 
 @dataclass
@@ -564,8 +600,11 @@ class PretrainConfig:
         require(self.steps >= 1, "steps", "must be >= 1")
         require(self.episodes_per_step >= 1, "episodes_per_step", "must be >= 1")
         require(self.num_stores >= 1, "num_stores", "must be >= 1")
-        require(self.micro_batch_episodes is None or self.micro_batch_episodes >= 1, "micro_batch_episodes",
-                "must be >= 1 or null")
+        require(
+            self.micro_batch_episodes is None or self.micro_batch_episodes >= 1,
+            "micro_batch_episodes",
+            "must be >= 1 or null",
+        )
         require(0.0 < self.answer_prob <= 1.0, "answer_prob", "must be in (0, 1]")
         require(0.0 <= self.mentioned_key_prob <= 1.0, "mentioned_key_prob", "must be in [0, 1]")
         require(0.0 <= self.correct_action_prob <= 1.0, "correct_action_prob", "must be in [0, 1]")

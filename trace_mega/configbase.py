@@ -5,6 +5,7 @@ their names). `load_config(cls, data)` builds it from a nested dict and fails at
 load, naming the dotted field path, on an unknown key, a wrong type, or a value
 that the dataclass's own `validate()` rejects.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -18,6 +18,7 @@ Steps to threshold: the first step s (1-based) at which the mean reward of
 steps s−w+1 … s (w = `window`) reaches `threshold`; a run that never does counts
 as `steps + 1` (censored) and the report says how many seeds reached it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +48,8 @@ def method_config(base: TrainConfig, method: str, seed: int, checkpoint: str, ou
     """`base` with `method`'s allocator / estimator / credit switch, `seed`, the warm start and an out dir."""
     m = METHODS[method]
     return dataclasses.replace(
-        base, seed=seed,
+        base,
+        seed=seed,
         allocation=dataclasses.replace(base.allocation, name=m["allocation"]),
         advantage=dataclasses.replace(base.advantage, name=m["advantage"]),
         credit=dataclasses.replace(base.credit, enabled=m["credit"]),
@@ -60,7 +62,7 @@ def method_config(base: TrainConfig, method: str, seed: int, checkpoint: str, ou
 def steps_to_threshold(rewards: Sequence[float], threshold: float, window: int) -> Optional[int]:
     """First 1-based step whose trailing `window`-step mean reward is >= `threshold` (None: never)."""
     for s in range(window, len(rewards) + 1):
-        if statistics.fmean(rewards[s - window:s]) >= threshold:
+        if statistics.fmean(rewards[s - window : s]) >= threshold:
             return s
     return None
 
@@ -90,15 +92,18 @@ def summarize(runs: dict[str, list[list[dict]]], steps: int, threshold: float, w
         reached = [steps_to_threshold(c, threshold, window) for c in curves]
         table[method] = {
             "steps_to_threshold": _censored_mean(reached, steps),
-            "steps_to_threshold_at": {str(t): _censored_mean([steps_to_threshold(c, t, window) for c in curves], steps)
-                                      for t in EXTRA_THRESHOLDS},
+            "steps_to_threshold_at": {
+                str(t): _censored_mean([steps_to_threshold(c, t, window) for c in curves], steps)
+                for t in EXTRA_THRESHOLDS
+            },
             "steps_to_threshold_per_seed": reached,
             "seeds_reaching_threshold": sum(s is not None for s in reached),
             "reward_last10": _mean([_last(rows, "reward/mean", 10) for rows in seeds]),
             "reward_first10": _mean([_mean([r["reward/mean"] for r in rows[:10]]) for rows in seeds]),
             "turns_per_episode_last10": _mean([_last(rows, "rollout/turns_per_episode", 10) for rows in seeds]),
-            "turns_per_episode_first10": _mean([_mean([r["rollout/turns_per_episode"] for r in rows[:10]])
-                                                for rows in seeds]),
+            "turns_per_episode_first10": _mean(
+                [_mean([r["rollout/turns_per_episode"] for r in rows[:10]]) for rows in seeds]
+            ),
             "credit_auc_mean": _mean([_mean([r.get("credit/auc", math.nan) for r in rows]) for rows in seeds]),
             "credit_auc_R_mean": _mean([_mean([r.get("credit/auc_R", math.nan) for r in rows]) for rows in seeds]),
             "credit_auc_last10": _mean([_last(rows, "credit/auc", 10) for rows in seeds]),
@@ -111,14 +116,29 @@ def _seed_mean_rows(seeds: list[list[dict]]) -> list[dict]:
     """Per step, the mean over seeds of every metric (for the curves)."""
     n = min(len(rows) for rows in seeds)
     keys = ["reward/mean", "rollout/turns_per_episode", "credit/auc"]
-    return [{"step": i, **{k: _mean([rows[i].get(k, math.nan) for rows in seeds]) for k in keys
-                           if any(k in rows[i] for rows in seeds)}} for i in range(n)]
+    return [
+        {
+            "step": i,
+            **{
+                k: _mean([rows[i].get(k, math.nan) for rows in seeds])
+                for k in keys
+                if any(k in rows[i] for rows in seeds)
+            },
+        }
+        for i in range(n)
+    ]
 
 
-def run_credit_demo(out_dir: str | Path = "runs/credit_demo", config_path: Optional[str] = None,
-                    pretrain_config_path: Optional[str] = None, overrides: Optional[list[str]] = None,
-                    seeds: Sequence[int] = (0, 1, 2), methods: Sequence[str] = tuple(METHODS),
-                    threshold: float = 0.8, window: int = 5) -> dict[str, dict]:
+def run_credit_demo(
+    out_dir: str | Path = "runs/credit_demo",
+    config_path: Optional[str] = None,
+    pretrain_config_path: Optional[str] = None,
+    overrides: Optional[list[str]] = None,
+    seeds: Sequence[int] = (0, 1, 2),
+    methods: Sequence[str] = tuple(METHODS),
+    threshold: float = 0.8,
+    window: int = 5,
+) -> dict[str, dict]:
     """Warm start (cached), then every method x seed; writes the report and returns report.json's table."""
     from trace_mega.pretrain import pretrain
     from trace_mega.trainer import Trainer
@@ -148,36 +168,58 @@ def run_credit_demo(out_dir: str | Path = "runs/credit_demo", config_path: Optio
     table = summarize(runs, base.steps, threshold, window)
     for m in methods:
         table[m]["wall_s"] = seconds[m]
-    meta = {"threshold": threshold, "window": window, "steps": base.steps, "seeds": list(seeds),
-            "trajectories_per_step": _mean([r["alloc/trajectories"] for rows in runs[methods[0]] for r in rows]),
-            "checkpoint": checkpoint, "pretrain_s": pretrain_s, "total_s": time.perf_counter() - t_start}
+    meta = {
+        "threshold": threshold,
+        "window": window,
+        "steps": base.steps,
+        "seeds": list(seeds),
+        "trajectories_per_step": _mean([r["alloc/trajectories"] for rows in runs[methods[0]] for r in rows]),
+        "checkpoint": checkpoint,
+        "pretrain_s": pretrain_s,
+        "total_s": time.perf_counter() - t_start,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps({"methods": table, "meta": meta}, indent=1))
-    plot_curves({m: _seed_mean_rows(runs[m]) for m in methods},
-                ["reward/mean", "rollout/turns_per_episode", "credit/auc"], out / "curves.png",
-                title=f"synthetic_search from the warm start, mean of {len(seeds)} seeds")
+    plot_curves(
+        {m: _seed_mean_rows(runs[m]) for m in methods},
+        ["reward/mean", "rollout/turns_per_episode", "credit/auc"],
+        out / "curves.png",
+        title=f"synthetic_search from the warm start, mean of {len(seeds)} seeds",
+    )
     _write_report(out, base, table, meta)
     return table
 
 
 def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict], meta: dict) -> None:
-    cols = ["steps_to_threshold", "seeds_reaching_threshold", "reward_first10", "reward_last10",
-            "turns_per_episode_first10", "turns_per_episode_last10", "credit_auc_mean", "credit_auc_R_mean",
-            "credit_auc_R_last10", "wall_s"]
+    cols = [
+        "steps_to_threshold",
+        "seeds_reaching_threshold",
+        "reward_first10",
+        "reward_last10",
+        "turns_per_episode_first10",
+        "turns_per_episode_last10",
+        "credit_auc_mean",
+        "credit_auc_R_mean",
+        "credit_auc_R_last10",
+        "wall_s",
+    ]
     lines = [
-        "# trace-mega credit demo", "",
+        "# trace-mega credit demo",
+        "",
         f"`synthetic_search`, {cfg.steps} steps x {len(meta['seeds'])} seeds per method, "
         f"{meta['trajectories_per_step']:.0f} trajectories per step for every method, from the warm start "
         f"`{meta['checkpoint']}` (pretrain {meta['pretrain_s']:.0f} s, total {meta['total_s']:.0f} s). "
         f"Threshold: trailing {meta['window']}-step mean reward >= {meta['threshold']} "
-        f"(a run that never reaches it counts {cfg.steps + 1}).", "",
+        f"(a run that never reaches it counts {cfg.steps + 1}).",
+        "",
         "| method | " + " | ".join(cols) + " |",
         "|---|" + "---|" * len(cols),
     ]
     for m, row in table.items():
-        lines.append(f"| {m} | " + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c])
-                                             for c in cols) + " |")
+        lines.append(
+            f"| {m} | " + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols) + " |"
+        )
     lines += ["", "![curves](curves.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
-    print("\n".join(lines[4:4 + 2 + len(table)]))
+    print("\n".join(lines[4 : 4 + 2 + len(table)]))
     print(f"report: {out / 'report.md'}")

@@ -17,6 +17,7 @@ trees before the predictor fits them), `predictor_root_skill_mean` the same over
 prompts (roots) alone, what the root plan reads; every arm fits the predictor, only
 trace reads it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,9 +33,21 @@ from trace_mega.resources import resolve_config
 from trace_mega.telemetry import plot_curves, read_metrics
 
 METHODS = ("uniform", "treepo", "trace")
-REPORT_KEYS = ("effective_ratio_mean", "contrasted_prompts_mean", "active_prompts_mean", "contrasted_groups_mean",
-               "predictor_fallback_frac", "predictor_skill_mean", "predictor_root_skill_mean", "reward_first10",
-               "reward_last10", "eval_reward_final", "trajectories_per_step", "generated_tokens_per_step", "wall_s")
+REPORT_KEYS = (
+    "effective_ratio_mean",
+    "contrasted_prompts_mean",
+    "active_prompts_mean",
+    "contrasted_groups_mean",
+    "predictor_fallback_frac",
+    "predictor_skill_mean",
+    "predictor_root_skill_mean",
+    "reward_first10",
+    "reward_last10",
+    "eval_reward_final",
+    "trajectories_per_step",
+    "generated_tokens_per_step",
+    "wall_s",
+)
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:
@@ -99,9 +112,14 @@ def warm_start(base: TrainConfig, pretrain_config_path: Optional[str | Path] = N
     return str(pretrain(pcfg))
 
 
-def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path] = None,
-             overrides: Optional[list[str]] = None, seeds: int = 1,
-             pretrain_config_path: Optional[str | Path] = None, from_scratch: bool = False) -> dict[str, dict[str, float]]:
+def run_demo(
+    out_dir: str | Path = "runs/demo",
+    config_path: Optional[str | Path] = None,
+    overrides: Optional[list[str]] = None,
+    seeds: int = 1,
+    pretrain_config_path: Optional[str | Path] = None,
+    from_scratch: bool = False,
+) -> dict[str, dict[str, float]]:
     """Run every method of `METHODS` on seeds base.seed .. base.seed + seeds - 1 (one run at a time)
     and write the report; returns {method: {REPORT_KEYS: mean over seeds}}. Every run starts from the warm
     start (`warm_start`) unless `from_scratch` or the config names its own `model.hf_checkpoint`."""
@@ -112,8 +130,9 @@ def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path
     out = Path(out_dir)
     base = load_yaml(TrainConfig, config_path or resolve_config("demo_cpu"), overrides)
     if not from_scratch and base.model.hf_checkpoint is None:
-        base = dataclasses.replace(base, model=dataclasses.replace(base.model,
-                                                                   hf_checkpoint=warm_start(base, pretrain_config_path)))
+        base = dataclasses.replace(
+            base, model=dataclasses.replace(base.model, hf_checkpoint=warm_start(base, pretrain_config_path))
+        )
     per_seed: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     first_runs: dict[str, list[dict[str, float]]] = {}
     collapses: list[str] = []
@@ -121,7 +140,8 @@ def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path
         for method in METHODS:
             run_dir = out / method / f"seed{base.seed + k}"
             cfg = dataclasses.replace(
-                base, seed=base.seed + k,
+                base,
+                seed=base.seed + k,
                 allocation=dataclasses.replace(base.allocation, name=method),
                 telemetry=dataclasses.replace(base.telemetry, out_dir=str(run_dir)),
                 checkpoint=dataclasses.replace(base.checkpoint, dir=None),
@@ -139,10 +159,13 @@ def run_demo(out_dir: str | Path = "runs/demo", config_path: Optional[str | Path
             if k == 0:
                 first_runs[method] = rows
 
-    plot_curves(first_runs, ["reward/mean", "alloc/effective_ratio", "predictor/skill_smoothed", "alloc/fallback"],
-                out / "curves.png",
-                title=f"seed {base.seed}, equal budget: {base.allocation.root_rollouts_per_step} root rollouts/step "
-                      f"x (1 + {base.allocation.continuations_per_rollout}) trajectories")
+    plot_curves(
+        first_runs,
+        ["reward/mean", "alloc/effective_ratio", "predictor/skill_smoothed", "alloc/fallback"],
+        out / "curves.png",
+        title=f"seed {base.seed}, equal budget: {base.allocation.root_rollouts_per_step} root rollouts/step "
+        f"x (1 + {base.allocation.continuations_per_rollout}) trajectories",
+    )
     table = {m: {key: statistics.fmean(s[key] for s in runs) for key in REPORT_KEYS} for m, runs in per_seed.items()}
     (out / "report.json").write_text(json.dumps(table, indent=1))
     _write_report(out, base, table, per_seed, collapses)
@@ -153,8 +176,13 @@ def _row(name: str, row: dict[str, float]) -> str:
     return f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in REPORT_KEYS) + " |"
 
 
-def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict[str, float]],
-                  per_seed: dict[str, list[dict[str, float]]], collapses: list[str]) -> None:
+def _write_report(
+    out: Path,
+    cfg: TrainConfig,
+    table: dict[str, dict[str, float]],
+    per_seed: dict[str, list[dict[str, float]]],
+    collapses: list[str],
+) -> None:
     seeds = len(next(iter(per_seed.values())))
     header = ["| method | " + " | ".join(REPORT_KEYS) + " |", "|---|" + "---|" * len(REPORT_KEYS)]
     lines = [
@@ -170,10 +198,18 @@ def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict[str, float]
         *(_row(m, row) for m, row in table.items()),
     ]
     tr, tp, un = (table[m]["effective_ratio_mean"] for m in ("trace", "treepo", "uniform"))
-    lines += ["", f"Effective ratio: trace / treepo = {tr / tp:.2f}x, trace / uniform = {tr / un:.2f}x."
-              if tp > 0 and un > 0 else "", ""]
-    lines += [f"Collapsed runs (reward 0 at token entropy < 0.1 after reaching reward 0.1): "
-              f"{', '.join(collapses) if collapses else 'none'}.", ""]
+    lines += [
+        "",
+        f"Effective ratio: trace / treepo = {tr / tp:.2f}x, trace / uniform = {tr / un:.2f}x."
+        if tp > 0 and un > 0
+        else "",
+        "",
+    ]
+    lines += [
+        f"Collapsed runs (reward 0 at token entropy < 0.1 after reaching reward 0.1): "
+        f"{', '.join(collapses) if collapses else 'none'}.",
+        "",
+    ]
     if seeds > 1:
         lines += ["Per seed:", "", *header]
         lines += [_row(f"{m} seed {cfg.seed + k}", s) for m, runs in per_seed.items() for k, s in enumerate(runs)]
@@ -181,8 +217,12 @@ def _write_report(out: Path, cfg: TrainConfig, table: dict[str, dict[str, float]
     lines += ["![curves](curves.png)", ""]
     rel = out / "trace" / f"seed{cfg.seed}" / "reliability.png"
     if rel.exists():
-        lines += ["Predictor reliability (trace run, last step):", "",
-                  f"![reliability](trace/seed{cfg.seed}/reliability.png)", ""]
+        lines += [
+            "Predictor reliability (trace run, last step):",
+            "",
+            f"![reliability](trace/seed{cfg.seed}/reliability.png)",
+            "",
+        ]
     (out / "report.md").write_text("\n".join(lines))
-    print("\n".join(lines[4:4 + 2 + len(table) + 4]))
+    print("\n".join(lines[4 : 4 + 2 + len(table) + 4]))
     print(f"report: {out / 'report.md'}")

@@ -19,6 +19,7 @@ The report has one row per group, `all` (every task) and, with several groups,
 `macro` (the unweighted mean of the groups, as papers average benchmarks).
 It is written as JSON and as a Markdown table.
 """
+
 from __future__ import annotations
 
 import json
@@ -93,8 +94,13 @@ class EvalReport:
         return "\n".join(lines) + f"\n\nmean@{self.n} and pass@k in %; n = {self.n} samples per task.\n"
 
     def to_json(self) -> dict[str, Any]:
-        return {"split": self.split, "n": self.n, "ks": self.ks, "rows": self.rows,
-                "tasks": [{"task_id": t.task_id, "group": t.group, "rewards": t.rewards} for t in self.tasks]}
+        return {
+            "split": self.split,
+            "n": self.n,
+            "ks": self.ks,
+            "rows": self.rows,
+            "tasks": [{"task_id": t.task_id, "group": t.group, "rewards": t.rewards} for t in self.tasks],
+        }
 
     def write(self, out_dir: str | Path, name: str) -> tuple[Path, Path]:
         """`<out_dir>/<name>.json` and `<name>.md`."""
@@ -106,14 +112,17 @@ class EvalReport:
         return js, md
 
 
-def summarize(results: Sequence[TaskResult], ks: Sequence[int], split: str = "test",
-              success_threshold: float = 0.5) -> EvalReport:
+def summarize(
+    results: Sequence[TaskResult], ks: Sequence[int], split: str = "test", success_threshold: float = 0.5
+) -> EvalReport:
     """The report of `results` (every task with the same number n of samples)."""
     if not results:
         raise ValueError("no tasks to evaluate")
     n = len(results[0].rewards)
     if n == 0 or any(len(r.rewards) != n for r in results):
-        raise ValueError(f"every task needs the same number (>= 1) of samples; got {sorted({len(r.rewards) for r in results})}")
+        raise ValueError(
+            f"every task needs the same number (>= 1) of samples; got {sorted({len(r.rewards) for r in results})}"
+        )
     ks = sorted(set(ks))
     if not all(1 <= k <= n for k in ks):
         raise ValueError(f"every k must be in 1..{n}, got {ks}")
@@ -122,7 +131,8 @@ def summarize(results: Sequence[TaskResult], ks: Sequence[int], split: str = "te
         out = {"tasks": float(len(items)), f"mean@{n}": statistics.fmean(statistics.fmean(t.rewards) for t in items)}
         for k in ks:
             out[f"pass@{k}"] = statistics.fmean(
-                pass_at_k(n, sum(r > success_threshold for r in t.rewards), k) for t in items)
+                pass_at_k(n, sum(r > success_threshold for r in t.rewards), k) for t in items
+            )
         return out
 
     groups: dict[str, list[TaskResult]] = {}
@@ -156,7 +166,7 @@ def evaluate(agent: Any, env: Any, cfg: EvalConfig, split: Optional[str] = None)
     results: list[TaskResult] = []
     env.reseed(cfg.seed)
     for start in range(0, len(tasks), cfg.batch_tasks):
-        batch = tasks[start:start + cfg.batch_tasks]
+        batch = tasks[start : start + cfg.batch_tasks]
         trees = agent.rollout(batch, [cfg.samples_per_task] * len(batch), seed=cfg.seed + start)
         agent.release(trees)
         results += results_from_trees(trees)

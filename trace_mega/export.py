@@ -14,6 +14,7 @@ TP / EP layout to this process's (TP = EP = 1 unless launched under torchrun).
 The vocabulary is padded as the saving run padded it, and cut back to the
 true vocabulary in the export.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,9 @@ def write_hf_extras(out_dir: str | Path, cfg: TrainConfig, tokenizer: Any) -> No
     if cfg.model.hf_checkpoint and (Path(cfg.model.hf_checkpoint) / "generation_config.json").exists():
         gen = GenerationConfig.from_pretrained(cfg.model.hf_checkpoint)
     else:
-        gen = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                               pad_token_id=config.pad_token_id)
+        gen = GenerationConfig(
+            bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        )
     rc = cfg.rollout
     if rc.temperature > 0:
         gen.update(do_sample=True, temperature=rc.temperature, top_p=rc.top_p)
@@ -94,8 +96,7 @@ def find_checkpoint(run: str | Path, step: Optional[int] = None) -> Path:
     return path
 
 
-def export_checkpoint(run: str | Path, out_dir: str | Path, step: Optional[int] = None,
-                      device: str = "auto") -> Path:
+def export_checkpoint(run: str | Path, out_dir: str | Path, step: Optional[int] = None, device: str = "auto") -> Path:
     """Write the policy of `run`'s checkpoint (newest, or at `step`) as an HF checkpoint in `out_dir`."""
     from trace_mega.learner.checkpoint import load_model_weights, trainer_state
     from trace_mega.learner.convert import save_hf
@@ -113,16 +114,25 @@ def export_checkpoint(run: str | Path, out_dir: str | Path, step: Optional[int] 
         if g.pp_size != 1:
             raise ValueError("export runs with PP = 1")
         model_cfg = resolve_model_config(cfg)
-        net = build_model(model_cfg, par, g.pgs, g.device, 0, 1,
-                          vocab_multiple=saved.tensor_model_parallel_size).eval()
+        net = build_model(model_cfg, par, g.pgs, g.device, 0, 1, vocab_multiple=saved.tensor_model_parallel_size).eval()
         load_model_weights(path, net)
         save_hf(net, g, out_dir, policy_hf_config(cfg, model_cfg))
         if g.rank == 0:
             write_hf_extras(out_dir, cfg, policy_tokenizer(cfg))
-            (Path(out_dir) / "trace_mega_export.json").write_text(json.dumps(
-                {"checkpoint": str(path.resolve()), "step": state["step"],
-                 "saved_layout": {"tp": saved.tensor_model_parallel_size, "ep": saved.expert_model_parallel_size,
-                                  "world_size": state["world_size"]}}, indent=1))
+            (Path(out_dir) / "trace_mega_export.json").write_text(
+                json.dumps(
+                    {
+                        "checkpoint": str(path.resolve()),
+                        "step": state["step"],
+                        "saved_layout": {
+                            "tp": saved.tensor_model_parallel_size,
+                            "ep": saved.expert_model_parallel_size,
+                            "world_size": state["world_size"],
+                        },
+                    },
+                    indent=1,
+                )
+            )
             log.info("exported %s (step %d) to %s", path, state["step"], out_dir)
     finally:
         destroy_parallel()

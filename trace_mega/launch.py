@@ -19,6 +19,7 @@ Read from the environment:
 * SLURM_JOB_ID — the rendezvous id, and the port: 29500 + job id mod 10000
   (jobs sharing a node do not collide), unless `--port` or MASTER_PORT is set.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,7 @@ def _expand_item(item: str) -> list[str]:
     if open_at < 0:
         return [item]
     close_at = item.index("]", open_at)
-    prefix, body, rest = item[:open_at], item[open_at + 1:close_at], item[close_at + 1:]
+    prefix, body, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
     values = []
     for part in body.split(","):
         m = re.fullmatch(r"(\d+)-(\d+)", part)
@@ -97,8 +98,9 @@ def _gpus_per_node(env: Mapping[str, str]) -> Optional[int]:
     return None
 
 
-def torchrun_args(env: Mapping[str, str], *, nproc_per_node: Optional[str] = None,
-                  port: Optional[int] = None) -> list[str]:
+def torchrun_args(
+    env: Mapping[str, str], *, nproc_per_node: Optional[str] = None, port: Optional[int] = None
+) -> list[str]:
     """torchrun's arguments (before the script) for this node of a SLURM job (see the module docstring)."""
     spec = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not spec:
@@ -113,25 +115,46 @@ def torchrun_args(env: Mapping[str, str], *, nproc_per_node: Optional[str] = Non
     if nproc_per_node is None:
         gpus = _gpus_per_node(env)
         nproc_per_node = str(gpus) if gpus else "gpu"
-    return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{hosts[0]}:{port}", "--rdzv-id", f"trace-mega-{job}"]
+    return [
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{hosts[0]}:{port}",
+        "--rdzv-id",
+        f"trace-mega-{job}",
+    ]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[int]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m trace_mega.launch [--nproc-per-node N] [--port P] [--dry-run] -- "
-              "train --config X [key=value ...]", file=sys.stderr)
+        print(
+            "usage: python -m trace_mega.launch [--nproc-per-node N] [--port P] [--dry-run] -- "
+            "train --config X [key=value ...]",
+            file=sys.stderr,
+        )
         return 2
     cut = argv.index("--")
     ap = argparse.ArgumentParser(prog="python -m trace_mega.launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc-per-node", default=None, help="workers per node (default: the node's GPUs from SLURM)")
-    ap.add_argument("--port", type=int, default=None, help="rendezvous port (default: MASTER_PORT or 29500 + job id %% 10000)")
+    ap.add_argument(
+        "--port", type=int, default=None, help="rendezvous port (default: MASTER_PORT or 29500 + job id %% 10000)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
     args = ap.parse_args(argv[:cut])
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           *torchrun_args(os.environ, nproc_per_node=args.nproc_per_node, port=args.port),
-           "-m", "trace_mega.cli", *argv[cut + 1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(os.environ, nproc_per_node=args.nproc_per_node, port=args.port),
+        "-m",
+        "trace_mega.cli",
+        *argv[cut + 1 :],
+    ]
     if args.dry_run:
         print(shlex.join(cmd))
         return 0

@@ -15,6 +15,7 @@ including those emitted before the run directory was known (they are buffered).
 Console records are written with `tqdm.write`, so they land above the progress
 bars instead of inside them. Ranks other than 0 print only warnings and errors.
 """
+
 from __future__ import annotations
 
 import logging

@@ -29,6 +29,7 @@ learner trains, a sleeping engine (CUDA sleep mode, the trainer's default)
 holds nothing, an awake one its whole reservation. The plan fails, naming the
 config field to change, when a phase does not fit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,12 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.embedding + self.output + self.final_norm + self.num_layers * (
-            self.layer_linear + self.layer_replicated + self.layer_experts)
+        return (
+            self.embedding
+            + self.output
+            + self.final_norm
+            + self.num_layers * (self.layer_linear + self.layer_replicated + self.layer_experts)
+        )
 
 
 def count_params(m: ModelConfig) -> ParamCounts:
@@ -76,9 +81,15 @@ def count_params(m: ModelConfig) -> ParamCounts:
     else:
         linear, replicated, experts = attn + 3 * h * m.ffn_hidden_size, norms, 0
     vocab = m.vocab_size or 0
-    return ParamCounts(num_layers=m.num_layers, embedding=vocab * h, output=0 if m.tie_word_embeddings else vocab * h,
-                       layer_linear=linear, layer_replicated=replicated, layer_experts=experts,
-                       final_norm=h)
+    return ParamCounts(
+        num_layers=m.num_layers,
+        embedding=vocab * h,
+        output=0 if m.tie_word_embeddings else vocab * h,
+        layer_linear=linear,
+        layer_replicated=replicated,
+        layer_experts=experts,
+        final_norm=h,
+    )
 
 
 def model_for_plan(cfg: TrainConfig) -> ModelConfig:
@@ -90,8 +101,10 @@ def model_for_plan(cfg: TrainConfig) -> ModelConfig:
         card = CARDS / src.name
         if not (card / "config.json").is_file():
             known = ", ".join(sorted(p.name for p in CARDS.iterdir()))
-            raise ConfigError(f"model.hf_checkpoint: {src}/config.json not found and no shipped architecture "
-                              f"card named {src.name!r} (cards: {known})")
+            raise ConfigError(
+                f"model.hf_checkpoint: {src}/config.json not found and no shipped architecture "
+                f"card named {src.name!r} (cards: {known})"
+            )
         src = card
     from transformers import AutoConfig
 
@@ -148,7 +161,13 @@ def plan_memory(cfg: TrainConfig, model: Optional[ModelConfig] = None) -> Memory
     _divides(errors, "parallel.tensor_model_parallel_size", tp, m.num_attention_heads, "num_attention_heads")
     _divides(errors, "parallel.tensor_model_parallel_size", tp, m.num_query_groups, "num_query_groups")
     _divides(errors, "parallel.pipeline_model_parallel_size", pp, m.num_layers, "num_layers")
-    _divides(errors, "parallel.tensor_model_parallel_size", tp * pp, world, "the world size (cluster.nodes x gpus_per_node) / PP")
+    _divides(
+        errors,
+        "parallel.tensor_model_parallel_size",
+        tp * pp,
+        world,
+        "the world size (cluster.nodes x gpus_per_node) / PP",
+    )
     if m.num_experts:
         _divides(errors, "parallel.expert_model_parallel_size", ep, m.num_experts, "num_experts")
         _divides(errors, "parallel.expert_model_parallel_size", ep * pp, world, "the world size / PP")
@@ -198,26 +217,44 @@ def plan_memory(cfg: TrainConfig, model: Optional[ModelConfig] = None) -> Memory
     kv_tokens = max(0, int(engine_kv // kv_per_token))
 
     plan = MemoryPlan(
-        world_size=world, layout=dict(tp=tp, pp=pp, ep=ep, dp=dp, expert_dp=edp, rollout_tp=rtp, replicas=world // rtp),
-        params_total=c.total, params_per_gpu=local, learner_weights=local * wb, learner_grads=local * 4.0,
-        optimizer_state=sharded * opt_per_param, activations=activations, logits=logits,
-        engine_weights=engine_weights, engine_reserved=engine_reserved, engine_kv=engine_kv, kv_tokens=kv_tokens,
-        reserve=cl.reserve_gib * GIB, gpu_memory=gpu, errors=errors)
+        world_size=world,
+        layout=dict(tp=tp, pp=pp, ep=ep, dp=dp, expert_dp=edp, rollout_tp=rtp, replicas=world // rtp),
+        params_total=c.total,
+        params_per_gpu=local,
+        learner_weights=local * wb,
+        learner_grads=local * 4.0,
+        optimizer_state=sharded * opt_per_param,
+        activations=activations,
+        logits=logits,
+        engine_weights=engine_weights,
+        engine_reserved=engine_reserved,
+        engine_kv=engine_kv,
+        kv_tokens=kv_tokens,
+        reserve=cl.reserve_gib * GIB,
+        gpu_memory=gpu,
+        errors=errors,
+    )
     g = lambda x: f"{x / GIB:.1f} GiB"  # noqa: E731
     if engine_kv < ro.max_total_tokens * kv_per_token:
-        errors.append(f"rollout.gpu_memory_utilization: {ro.gpu_memory_utilization} x {g(gpu)} leaves "
-                      f"{g(max(engine_kv, 0))} of KV cache after {g(engine_weights)} of engine weights per GPU, less than "
-                      f"one trajectory of rollout.max_total_tokens={ro.max_total_tokens} "
-                      f"({g(ro.max_total_tokens * kv_per_token)}); raise it or rollout.tensor_parallel_size")
+        errors.append(
+            f"rollout.gpu_memory_utilization: {ro.gpu_memory_utilization} x {g(gpu)} leaves "
+            f"{g(max(engine_kv, 0))} of KV cache after {g(engine_weights)} of engine weights per GPU, less than "
+            f"one trajectory of rollout.max_total_tokens={ro.max_total_tokens} "
+            f"({g(ro.max_total_tokens * kv_per_token)}); raise it or rollout.tensor_parallel_size"
+        )
     peaks = plan.peaks(engine_sleeps=True)
     if peaks["rollout"] > gpu:
-        errors.append(f"rollout.gpu_memory_utilization: the learner's resident {g(plan.learner_resident)} + the engine's "
-                      f"{g(engine_reserved)} + reserve {g(plan.reserve)} = {g(peaks['rollout'])} > {g(gpu)} per GPU; "
-                      f"lower it, or shard the learner further (parallel.*_model_parallel_size)")
+        errors.append(
+            f"rollout.gpu_memory_utilization: the learner's resident {g(plan.learner_resident)} + the engine's "
+            f"{g(engine_reserved)} + reserve {g(plan.reserve)} = {g(peaks['rollout'])} > {g(gpu)} per GPU; "
+            f"lower it, or shard the learner further (parallel.*_model_parallel_size)"
+        )
     if peaks["train"] > gpu:
-        errors.append(f"parallel.micro_batch_tokens: training needs {g(peaks['train'])} per GPU (activations "
-                      f"{g(activations)}, logits {g(logits)}) > {g(gpu)}; lower it or raise "
-                      f"parallel.tensor_model_parallel_size")
+        errors.append(
+            f"parallel.micro_batch_tokens: training needs {g(peaks['train'])} per GPU (activations "
+            f"{g(activations)}, logits {g(logits)}) > {g(gpu)}; lower it or raise "
+            f"parallel.tensor_model_parallel_size"
+        )
     return plan
 
 
@@ -227,22 +264,31 @@ def format_plan(cfg: TrainConfig, plan: MemoryPlan) -> str:
     lay = plan.layout
     sleep, awake = plan.peaks(engine_sleeps=True), plan.peaks(engine_sleeps=False)
     rows = [
-        ("learner weights", plan.learner_weights), ("gradients (fp32 buffers)", plan.learner_grads),
-        ("optimizer state", plan.optimizer_state), ("activations (one micro-batch)", plan.activations),
-        ("logits + grad", plan.logits), ("engine weights", plan.engine_weights),
-        ("engine KV cache", max(plan.engine_kv, 0.0)), ("engine reservation (util x GPU)", plan.engine_reserved),
+        ("learner weights", plan.learner_weights),
+        ("gradients (fp32 buffers)", plan.learner_grads),
+        ("optimizer state", plan.optimizer_state),
+        ("activations (one micro-batch)", plan.activations),
+        ("logits + grad", plan.logits),
+        ("engine weights", plan.engine_weights),
+        ("engine KV cache", max(plan.engine_kv, 0.0)),
+        ("engine reservation (util x GPU)", plan.engine_reserved),
         ("reserve (context, NCCL, fragmentation)", plan.reserve),
-        ("peak while generating", sleep["rollout"]), ("peak while training, engine asleep", sleep["train"]),
+        ("peak while generating", sleep["rollout"]),
+        ("peak while training, engine asleep", sleep["train"]),
         ("peak while training, engine awake", awake["train"]),
     ]
-    head = (f"{plan.world_size} GPUs x {g(plan.gpu_memory)} GiB ({cfg.cluster.nodes} node(s) x "
-            f"{cfg.cluster.gpus_per_node}); learner TP={lay['tp']} PP={lay['pp']} EP={lay['ep']} DP={lay['dp']} "
-            f"expert-DP={lay['expert_dp']}; {lay['replicas']} rollout replica(s) of TP={lay['rollout_tp']}; "
-            f"{plan.params_total / 1e9:.2f} B parameters, {plan.params_per_gpu / 1e9:.2f} B per GPU")
+    head = (
+        f"{plan.world_size} GPUs x {g(plan.gpu_memory)} GiB ({cfg.cluster.nodes} node(s) x "
+        f"{cfg.cluster.gpus_per_node}); learner TP={lay['tp']} PP={lay['pp']} EP={lay['ep']} DP={lay['dp']} "
+        f"expert-DP={lay['expert_dp']}; {lay['replicas']} rollout replica(s) of TP={lay['rollout_tp']}; "
+        f"{plan.params_total / 1e9:.2f} B parameters, {plan.params_per_gpu / 1e9:.2f} B per GPU"
+    )
     lines = [head, "", "| per GPU | GiB |", "|---|---:|"] + [f"| {name} | {g(v)} |" for name, v in rows]
-    lines.append(f"\nKV cache holds {plan.kv_tokens:,} tokens per replica rank "
-                 f"({plan.kv_tokens // max(cfg.rollout.max_total_tokens, 1)} trajectories at "
-                 f"rollout.max_total_tokens={cfg.rollout.max_total_tokens}).")
+    lines.append(
+        f"\nKV cache holds {plan.kv_tokens:,} tokens per replica rank "
+        f"({plan.kv_tokens // max(cfg.rollout.max_total_tokens, 1)} trajectories at "
+        f"rollout.max_total_tokens={cfg.rollout.max_total_tokens})."
+    )
     lines.append("fits" if not plan.errors else "does NOT fit:\n" + "\n".join(f"- {e}" for e in plan.errors))
     return "\n".join(lines)
 

@@ -38,6 +38,7 @@ Deterministic: the initialisation, the stores and the transcript policy are
 seeded from `PretrainConfig.seed`, so the same config gives identical weights.
 Results are cached under `cache_dir/<sha256 of the config>[:16]` and reused.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,14 @@ from trace_mega.envs.synthetic_search import ANSWER_CLOSE, ANSWER_OPEN, DIGITS, 
 from trace_mega.registry import Registry
 from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
 
-__all__ = ["TRANSCRIPT_POLICIES", "SearchTranscriptEngine", "WalkTranscriptEngine", "config_hash", "pretrain",
-           "resolve_in_context"]
+__all__ = [
+    "TRANSCRIPT_POLICIES",
+    "SearchTranscriptEngine",
+    "WalkTranscriptEngine",
+    "config_hash",
+    "pretrain",
+    "resolve_in_context",
+]
 
 log = logging.getLogger("trace_mega")
 
@@ -81,7 +88,7 @@ def resolve_in_context(words: list[str], target: str) -> Optional[str]:
         if w == "is" and 0 < i and words[i - 1] in KEYS and i + 1 < len(words):
             if words[i + 1] in DIGITS:
                 facts[words[i - 1]] = ("value", words[i + 1])
-            elif words[i + 1:i + 3] == ["same", "as"] and i + 3 < len(words) and words[i + 3] in KEYS:
+            elif words[i + 1 : i + 3] == ["same", "as"] and i + 3 < len(words) and words[i + 3] in KEYS:
                 facts[words[i - 1]] = ("pointer", words[i + 3])
     key, hops = target, 0
     while key in facts and hops <= len(KEYS):
@@ -139,7 +146,7 @@ class SearchTranscriptEngine(_TranscriptEngine):
             value = resolve_in_context(words, target)
             value = value if value is not None else rng.choice(DIGITS)
             return [self.answer_ids[0], self.digit_ids[value], self.answer_ids[1]]
-        mentioned = [w for w in dict.fromkeys(words[words.index("find") + 1:]) if w in KEYS]
+        mentioned = [w for w in dict.fromkeys(words[words.index("find") + 1 :]) if w in KEYS]
         pool = mentioned if mentioned and rng.random() < self.cfg.mentioned_key_prob else KEYS
         return [self.lookup_ids[rng.choice(pool)]]
 
@@ -196,9 +203,14 @@ def _lm_loss(learner):
     def loss_fn(hidden: torch.Tensor, batch: dict):
         mb = batch["packed"]
         h = hidden[0, : mb.num_tokens]  # (T, H)
-        lp = packed_token_logprobs(h, output_weight(learner.chunks[0]), mb, tp_group=learner.groups.pgs.tp,
-                                   vocab_start=learner.groups.tp_rank * output_weight(learner.chunks[0]).shape[0],
-                                   reduce_grad_hidden=not learner.policy.config.sequence_parallel)
+        lp = packed_token_logprobs(
+            h,
+            output_weight(learner.chunks[0]),
+            mb,
+            tp_group=learner.groups.pgs.tp,
+            vocab_start=learner.groups.tp_rank * output_weight(learner.chunks[0]).shape[0],
+            reduce_grad_hidden=not learner.policy.config.sequence_parallel,
+        )
         mask = mb.loss_mask.to(lp.device).float()
         return -(lp * mask).sum(), mask.sum(), {}
 
@@ -215,7 +227,11 @@ def _inputs(packed, device: torch.device, multiple: int):
     positions = torch.cat([packed.position_ids, torch.arange(pad)])
     node = torch.cat([packed.token_node, torch.full((pad,), n)])
     node_exit = torch.cat([packed.token_node_exit, torch.full((pad,), n)])
-    return tokens[None].to(device), positions[None].to(device), tree_attention_mask(node.to(device), node_exit.to(device))
+    return (
+        tokens[None].to(device),
+        positions[None].to(device),
+        tree_attention_mask(node.to(device), node_exit.to(device)),
+    )
 
 
 def pretrain(cfg: PretrainConfig, *, force: bool = False) -> Path:
@@ -225,8 +241,10 @@ def pretrain(cfg: PretrainConfig, *, force: bool = False) -> Path:
         log.info("pretrain: cached checkpoint %s", out)
         return out
     if cfg.env.name not in TRANSCRIPT_POLICIES:
-        raise ValueError(f"pretrain: no transcript policy for environment {cfg.env.name!r}; "
-                         f"valid: {', '.join(TRANSCRIPT_POLICIES.names())}")
+        raise ValueError(
+            f"pretrain: no transcript policy for environment {cfg.env.name!r}; "
+            f"valid: {', '.join(TRANSCRIPT_POLICIES.names())}"
+        )
     from trace_mega.config import RolloutConfig
     from trace_mega.learner.learner import Learner
     from trace_mega.learner.optim import train_step
@@ -246,19 +264,28 @@ def pretrain(cfg: PretrainConfig, *, force: bool = False) -> Path:
     losses = []
     try:
         for step in range(cfg.steps):
-            batch = [tasks[order[(step * cfg.episodes_per_step + j) % len(tasks)]] for j in range(cfg.episodes_per_step)]
+            batch = [
+                tasks[order[(step * cfg.episodes_per_step + j) % len(tasks)]] for j in range(cfg.episodes_per_step)
+            ]
             trees = loop.rollout(batch, [1] * len(batch), seed=cfg.seed * 1_000_003 + step)
             AgentLoop.release(trees)
             per = cfg.micro_batch_episodes or len(trees)
             micro = []
             for i in range(0, len(trees), per):  # the tree mask is quadratic in a micro-batch's tokens
-                packed = pack(trees[i:i + per])
+                packed = pack(trees[i : i + per])
                 if cfg.loss_on_observations:  # every token but a sequence's first is a next-token target
                     packed.loss_mask = packed.prev_index >= 0
                 ids, pos, mask = _inputs(packed, learner.groups.device, learner.groups.tp_size)
                 micro.append({"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": packed})
-            metrics = train_step(learner.chunks, learner.optimizer, learner.scheduler, micro,
-                                 _lm_loss(learner), learner.groups, output="hidden")
+            metrics = train_step(
+                learner.chunks,
+                learner.optimizer,
+                learner.scheduler,
+                micro,
+                _lm_loss(learner),
+                learner.groups,
+                output="hidden",
+            )
             losses.append(metrics["loss"])
             if step % 50 == 0 or step == cfg.steps - 1:
                 log.info("pretrain step %d/%d: nll %.4f", step, cfg.steps, metrics["loss"])
@@ -267,8 +294,13 @@ def pretrain(cfg: PretrainConfig, *, force: bool = False) -> Path:
         learner.save_hf(tmp)
         if learner.groups.rank == 0:
             tok.save_pretrained(tmp)
-            record = {"config": to_dict(cfg), "hash": config_hash(cfg), "nll_first": losses[0],
-                      "nll_last10": sum(losses[-10:]) / len(losses[-10:]), "seconds": time.perf_counter() - t0}
+            record = {
+                "config": to_dict(cfg),
+                "hash": config_hash(cfg),
+                "nll_first": losses[0],
+                "nll_last10": sum(losses[-10:]) / len(losses[-10:]),
+                "seconds": time.perf_counter() - t0,
+            }
             (tmp / "pretrain.json").write_text(json.dumps(record, indent=1))
             shutil.rmtree(out, ignore_errors=True)
             os.replace(tmp, out)  # atomic: a half-written checkpoint is never served from the cache

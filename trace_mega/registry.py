@@ -4,6 +4,7 @@ Allocators, advantage estimators, losses, environments and rollout engines are
 each chosen by name from a config. A registry maps name -> factory and, on a
 bad name, raises an error that lists every valid name.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar

@@ -8,6 +8,7 @@ an editable install maps them back to the top-level directories.
 An editable install made before these two mappings existed cannot import the
 subpackages; then the checkout's top-level directories are used directly.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -51,8 +52,9 @@ def resolve_config(spec: str | Path) -> Path:
     name = path.name.removesuffix(".yaml")
     if name in shipped and path.parent in (Path("."), Path("configs")):
         return shipped[name]
-    raise FileNotFoundError(f"config {str(spec)!r}: no such file and no shipped config of that name; "
-                            f"shipped: {', '.join(shipped)}")
+    raise FileNotFoundError(
+        f"config {str(spec)!r}: no such file and no shipped config of that name; shipped: {', '.join(shipped)}"
+    )
 
 
 def benchmarks() -> dict[str, Path]:

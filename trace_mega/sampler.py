@@ -4,6 +4,7 @@ Each epoch is a fresh permutation of the task indices drawn from
 (seed, epoch), so the order after a resume is the order without one: the
 sampler's whole state is two integers saved with every checkpoint.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +41,6 @@ class PromptSampler:
                 self.state = SamplerState(self.state.epoch + 1, 0)
                 self._perm = self._permutation(self.state.epoch)
             take = min(n - len(out), self.num_tasks - self.state.cursor)
-            out += self._perm[self.state.cursor: self.state.cursor + take]
+            out += self._perm[self.state.cursor : self.state.cursor + take]
             self.state.cursor += take
         return out

@@ -9,6 +9,7 @@ hidden states of this rank's share of the final layout (from the update's own
 forward, reused by the predictor's fit), the TRACE-C probe values and the
 advantages.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -107,8 +108,12 @@ class StepBatch:
         node = torch.nonzero((p.node_parent >= 0) & ~is_leaf).flatten()
         # In a bare tree a non-root node has exactly one terminal descendant.
         r = p.node_reward_sum[node] / p.node_leaf_count[node].clamp(min=1)
-        self.prefixes = PrefixCandidates(node=node, r=(r > 0.5).float(), group=self.prompt_index[p.node_tree[node]],
-                                         local=[p.node_local[i] for i in node.tolist()])
+        self.prefixes = PrefixCandidates(
+            node=node,
+            r=(r > 0.5).float(),
+            group=self.prompt_index[p.node_tree[node]],
+            local=[p.node_local[i] for i in node.tolist()],
+        )
         return self.prefixes
 
     def branch_points(self) -> list[tuple[int, int, int]]:

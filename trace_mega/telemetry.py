@@ -4,6 +4,7 @@ GPU utilisation, memory and power come from nvidia-ml-py when a GPU and its
 driver are present; without them `GpuProbe` reports nothing (NVML raises
 `pynvml.NVMLError`, which is caught once at start).
 """
+
 from __future__ import annotations
 
 import json
@@ -94,7 +95,8 @@ def tree_metrics(packed: "PackedTrees") -> dict[str, float]:
         "reward/mean": float(packed.leaf_reward.mean()) if packed.leaf_nodes.numel() else 0.0,
         # Turns of each root-to-leaf trajectory (a continuation counts its shared prefix's turns too).
         "rollout/turns_per_episode": float(packed.node_depth[packed.leaf_nodes].float().mean())
-        if packed.leaf_nodes.numel() else 0.0,
+        if packed.leaf_nodes.numel()
+        else 0.0,
     }
 
 
@@ -118,8 +120,14 @@ class MetricsSink:
     """Writes one JSON object per step to `metrics.jsonl`, and the same scalars under the same
     names to TensorBoard and (when `wandb_init` is given) a Weights & Biases run."""
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True,
-                 wandb_init: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        enabled: bool = True,
+        wandb_init: Optional[dict[str, Any]] = None,
+    ) -> None:
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self._tb = None
@@ -145,8 +153,13 @@ class MetricsSink:
         """The sink `cfg` describes; `run_config` (the whole TrainConfig as a dict) is W&B's run config."""
         wandb_init = None
         if cfg.wandb_project:
-            wandb_init = {"project": cfg.wandb_project, "entity": cfg.wandb_entity, "name": cfg.wandb_run_name,
-                          "mode": cfg.wandb_mode, "config": run_config}
+            wandb_init = {
+                "project": cfg.wandb_project,
+                "entity": cfg.wandb_entity,
+                "name": cfg.wandb_run_name,
+                "mode": cfg.wandb_mode,
+                "config": run_config,
+            }
         return cls(cfg.out_dir, tensorboard=cfg.tensorboard, enabled=enabled, wandb_init=wandb_init)
 
     def log(self, step: int, metrics: dict[str, Any], *, tag: str = "") -> str:
@@ -190,8 +203,9 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return [rows[k] for k in sorted(rows)]
 
 
-def plot_curves(runs: dict[str, list[dict[str, float]]], keys: list[str], path: str | Path,
-                title: Optional[str] = None) -> Path:
+def plot_curves(
+    runs: dict[str, list[dict[str, float]]], keys: list[str], path: str | Path, title: Optional[str] = None
+) -> Path:
     """One panel per metric key, one line per run (e.g. uniform vs trace); saved as PNG."""
     import matplotlib
 

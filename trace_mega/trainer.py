@@ -18,6 +18,7 @@ all-gathered after each rollout phase, so every rank holds the same step
 record and takes the same (global) allocation decisions with the step's
 generator, and the learner trains on each rank's share.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,27 +71,49 @@ class Trainer:
         if cfg.rollout.engine == "vllm" and g.pp_size > 1 and layout.num_replicas > 1:
             # megatron orders PP outermost, so a replica's ranks are not consecutive; vLLM's
             # external launcher groups consecutive ranks into its tensor-parallel group.
-            raise ValueError("rollout.engine vllm with parallel.pipeline_model_parallel_size > 1 runs one replica "
-                             f"only (here {layout.num_replicas}): use PP = 1 with DP replicas, or the torch engine")
-        engine = build_engine(EngineSetup(
-            rollout=cfg.rollout, seed=cfg.seed,
-            dtype=cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype, eos_token_ids=[self.tokenizer.eos_token_id],
-            device=self.learner.groups.device, policy_config=hf_config(self.learner.model_cfg),
-            checkpoint_dir=cfg.model.hf_checkpoint, write_checkpoint=self.learner.save_hf,
-            work_dir=Path(cfg.telemetry.out_dir), host=layout.leader,
-            replica_size=g.world_size // layout.num_replicas, distributed=g.world_size > 1))
-        self.rollouts = RolloutCollector(self.env, engine, self.tokenizer, cfg.rollout, tool_timeout_s=cfg.env.tool_timeout_s,
-                                         max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn, layout=layout)
+            raise ValueError(
+                "rollout.engine vllm with parallel.pipeline_model_parallel_size > 1 runs one replica "
+                f"only (here {layout.num_replicas}): use PP = 1 with DP replicas, or the torch engine"
+            )
+        engine = build_engine(
+            EngineSetup(
+                rollout=cfg.rollout,
+                seed=cfg.seed,
+                dtype=cfg.model.params_dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
+                eos_token_ids=[self.tokenizer.eos_token_id],
+                device=self.learner.groups.device,
+                policy_config=hf_config(self.learner.model_cfg),
+                checkpoint_dir=cfg.model.hf_checkpoint,
+                write_checkpoint=self.learner.save_hf,
+                work_dir=Path(cfg.telemetry.out_dir),
+                host=layout.leader,
+                replica_size=g.world_size // layout.num_replicas,
+                distributed=g.world_size > 1,
+            )
+        )
+        self.rollouts = RolloutCollector(
+            self.env,
+            engine,
+            self.tokenizer,
+            cfg.rollout,
+            tool_timeout_s=cfg.env.tool_timeout_s,
+            max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn,
+            layout=layout,
+        )
         # On GPU the solvers run on the predictions' device without host syncs: no input
         # validation and a static prefix-table width (the most prefixes one prompt can have).
         on_gpu = self.learner.groups.device.type == "cuda"
         sync_free = dict(check=False, max_group_size=cfg.allocation.rollouts_per_prompt_max * cfg.rollout.max_turns)
         self.allocator = build_allocator(cfg.allocation, **(sync_free if on_gpu else {}))
         self.fallback = self.allocator.without_predictor()
-        self.predictor = build_predictor(cfg.predictor, hidden_size=self.learner.hidden_size,
-                                         vocab_size=self.learner.model_cfg.vocab_size).to(self.learner.groups.device)
-        self.guard = SkillGuard(cfg.allocation.fallback_skill_decay, cfg.allocation.fallback_skill_threshold,
-                                enabled=cfg.allocation.predictor_fallback and self.allocator.uses_predictor)
+        self.predictor = build_predictor(
+            cfg.predictor, hidden_size=self.learner.hidden_size, vocab_size=self.learner.model_cfg.vocab_size
+        ).to(self.learner.groups.device)
+        self.guard = SkillGuard(
+            cfg.allocation.fallback_skill_decay,
+            cfg.allocation.fallback_skill_threshold,
+            enabled=cfg.allocation.predictor_fallback and self.allocator.uses_predictor,
+        )
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
         self.sink = MetricsSink.from_config(cfg.telemetry, to_dict(cfg), enabled=self.is_main)
         if self.is_main:  # the resolved config of the run (`trace-mega export --run OUT_DIR` reads it)
@@ -113,33 +136,38 @@ class Trainer:
             with timer("step"):
                 tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]
                 batch = StepBatch.from_prompts(step, tasks, self.rollouts.prompt_ids(tasks))
-                batch.v_root = self._predict(batch, batch.root_nodes(), allocator)                  # plan roots
+                batch.v_root = self._predict(batch, batch.root_nodes(), allocator)  # plan roots
                 batch.rollouts = allocator.plan_roots(batch.v_root, gen).cpu()
                 with timer("rollout"):
-                    self.rollouts.roll_out(batch, seed=2 * step)                                     # roll out
+                    self.rollouts.roll_out(batch, seed=2 * step)  # roll out
                 cand = batch.prefix_candidates()
-                batch.v_prefix = self._predict(batch, cand.node, allocator)                          # score prefixes
-                batch.continuations = allocator.plan_prefixes(batch.v_prefix, cand.r.to(batch.v_prefix),
-                                                              cand.group.to(batch.v_prefix.device), batch.rollouts, gen)
+                batch.v_prefix = self._predict(batch, cand.node, allocator)  # score prefixes
+                batch.continuations = allocator.plan_prefixes(
+                    batch.v_prefix, cand.r.to(batch.v_prefix), cand.group.to(batch.v_prefix.device), batch.rollouts, gen
+                )
                 # Budget no prefix could take: fresh rollouts, i.e. continuations from the root (node 0).
-                batch.root_continuations = allocator.plan_root_continuations(batch.rollouts, batch.continuations.cpu(), gen)
+                batch.root_continuations = allocator.plan_root_continuations(
+                    batch.rollouts, batch.continuations.cpu(), gen
+                )
                 with timer("expand"):
-                    self.rollouts.expand(batch, seed=2 * step + 1)                                   # expand
+                    self.rollouts.expand(batch, seed=2 * step + 1)  # expand
                 with timer("credit"):
-                    metrics = self._credit(batch)                                                    # credit
+                    metrics = self._credit(batch)  # credit
                 with timer("train"), self.rollouts.paused():
-                    metrics |= self.learner.train_step(batch)                                        # learn
+                    metrics |= self.learner.train_step(batch)  # learn
                 with timer("predictor"):
-                    fit = self.predictor.fit_step(batch, self.dp_group)                             # fit predictor
+                    fit = self.predictor.fit_step(batch, self.dp_group)  # fit predictor
                 metrics |= self._plot_predictor(fit)  # telemetry, outside the predictor's time
                 with timer("weight_sync"):
-                    self.learner.sync_weights(self.rollouts.engine)                                  # sync
+                    self.learner.sync_weights(self.rollouts.engine)  # sync
             metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
             spent = int(batch.rollouts.sum() + batch.continuations.sum() + batch.root_continuations.sum())
-            metrics |= {"alloc/fallback": float(allocator is not self.allocator),
-                        "alloc/budget_unspent": float(allocator.trajectories_per_step - spent),
-                        "alloc/root_continuations": float(batch.root_continuations.sum()),
-                        "data/prompt_hash": _hash(tasks)} | allocator.metrics()
+            metrics |= {
+                "alloc/fallback": float(allocator is not self.allocator),
+                "alloc/budget_unspent": float(allocator.trajectories_per_step - spent),
+                "alloc/root_continuations": float(batch.root_continuations.sum()),
+                "data/prompt_hash": _hash(tasks),
+            } | allocator.metrics()
             metrics |= self.guard.update(metrics)  # the smoothed held-out skill decides the next step
             self.use_fallback = self.guard.fallback
             self.step = step + 1
@@ -189,18 +217,25 @@ class Trainer:
         cal = out.pop("_calibration", None)
         last = self.step == self.cfg.steps - 1
         if cal is not None and self.is_main and cal.num_samples and (self.step % 10 == 0 or last):
-            plot_reliability(cal, Path(self.cfg.telemetry.out_dir) / "reliability.png",
-                             title=f"step {self.step}: predictor on the newest trees")
+            plot_reliability(
+                cal,
+                Path(self.cfg.telemetry.out_dir) / "reliability.png",
+                title=f"step {self.step}: predictor on the newest trees",
+            )
         return out
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-
     # --- checkpoints ---------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {"trainer_step": self.step, "sampler": dataclasses.asdict(self.sampler.state),
-                "use_fallback": self.use_fallback, "guard": self.guard.state_dict(), "config": to_dict(self.cfg)}
+        return {
+            "trainer_step": self.step,
+            "sampler": dataclasses.asdict(self.sampler.state),
+            "use_fallback": self.use_fallback,
+            "guard": self.guard.state_dict(),
+            "config": to_dict(self.cfg),
+        }
 
     def _maybe_checkpoint(self) -> None:
         ck = self.cfg.checkpoint

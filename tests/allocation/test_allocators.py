@@ -1,4 +1,5 @@
 """The allocator registry: names, equal trajectory budgets, and each allocator's own rule."""
+
 import dataclasses
 
 import pytest
@@ -35,8 +36,14 @@ def test_registry_names_and_errors():
 @pytest.mark.parametrize("N", [1.0, 0.5, 1.75])
 @pytest.mark.parametrize("name", NAMES)
 def test_equal_budget(name, N):
-    cfg = AllocationConfig(name=name, prompts_per_step=32, root_rollouts_per_step=50, rollouts_per_prompt_max=8,
-                           group_size=4, continuations_per_rollout=N)
+    cfg = AllocationConfig(
+        name=name,
+        prompts_per_step=32,
+        root_rollouts_per_step=50,
+        rollouts_per_prompt_max=8,
+        group_size=4,
+        continuations_per_rollout=N,
+    )
     alloc = build_allocator(cfg)
     total = 50 + round(50 * N)
     assert alloc.trajectories_per_step == total
@@ -54,8 +61,9 @@ def test_equal_budget(name, N):
 
 
 def test_pcl_picks_prompts_nearest_half():
-    cfg = AllocationConfig(name="pcl", prompts_per_step=6, root_rollouts_per_step=4, group_size=4,
-                           continuations_per_rollout=1.0)
+    cfg = AllocationConfig(
+        name="pcl", prompts_per_step=6, root_rollouts_per_step=4, group_size=4, continuations_per_rollout=1.0
+    )
     m = build_allocator(cfg).plan_roots(torch.tensor([0.0, 0.45, 0.9, 0.55, 0.5, 1.0]))
     assert m.tolist() == [0, 4, 0, 0, 4, 0]
 
@@ -70,8 +78,11 @@ def test_uniform_and_treepo_are_seeded():
 
 
 def test_treepo_spreads_evenly_at_random():
-    alloc = build_allocator(AllocationConfig(name="treepo", prompts_per_step=4, root_rollouts_per_step=8,
-                                             group_size=4, continuations_per_rollout=1.0))
+    alloc = build_allocator(
+        AllocationConfig(
+            name="treepo", prompts_per_step=4, root_rollouts_per_step=8, group_size=4, continuations_per_rollout=1.0
+        )
+    )
     m = torch.tensor([4, 0, 4, 0])
     group = torch.tensor([0] * 3 + [2] * 5)
     k = alloc.plan_prefixes(torch.rand(8), torch.ones(8), group, m, torch.Generator().manual_seed(0))
@@ -79,8 +90,14 @@ def test_treepo_spreads_evenly_at_random():
 
 
 def test_trace_uses_exact_solvers():
-    cfg = AllocationConfig(name="trace", prompts_per_step=16, root_rollouts_per_step=30, rollouts_per_prompt_max=6,
-                           continuations_per_rollout=1.5, continuations_per_prefix_max=3)
+    cfg = AllocationConfig(
+        name="trace",
+        prompts_per_step=16,
+        root_rollouts_per_step=30,
+        rollouts_per_prompt_max=6,
+        continuations_per_rollout=1.5,
+        continuations_per_prefix_max=3,
+    )
     g, v_root = _problem(B=16, seed=4)
     alloc = build_allocator(cfg)
     m = alloc.plan_roots(v_root, g)
@@ -92,8 +109,9 @@ def test_trace_uses_exact_solvers():
     glob = build_allocator(AllocationConfig(**{**cfg.__dict__, "name": "trace_global"}))
     assert torch.equal(glob.plan_prefixes(v, r, group, m), allocate_prefixes(v, r, group, budget, 3, pool="global"))
     hot = build_allocator(cfg, check=False, max_group_size=6 * 2)  # the sync-free settings give the same plan
-    assert torch.equal(hot.plan_roots(v_root), m) and torch.equal(hot.plan_prefixes(v, r, group, m),
-                                                                  alloc.plan_prefixes(v, r, group, m))
+    assert torch.equal(hot.plan_roots(v_root), m) and torch.equal(
+        hot.plan_prefixes(v, r, group, m), alloc.plan_prefixes(v, r, group, m)
+    )
 
 
 def test_trace_rejects_budgets_it_cannot_spend():
@@ -138,7 +156,8 @@ def test_trace_exploration_floor_serves_prompts_the_solver_starves():
     served = set()
     for seed in range(6):
         m = build_allocator(AllocationConfig(**base, exploration_fraction=0.25)).plan_roots(
-            v, torch.Generator().manual_seed(seed))
+            v, torch.Generator().manual_seed(seed)
+        )
         assert int(m.sum()) == 32 and int((m == 1).sum()) == 0
         assert int((m[8:] >= 2).sum()) >= 2  # random draws: 4 explored prompts, most of them rare
         served |= set(torch.nonzero(m[8:]).flatten().tolist())
@@ -150,8 +169,14 @@ def test_trace_minimum_group_is_the_baselines_group_size(explore):
     """rollouts_per_prompt_min = group_size: every active prompt gets >= 4 roots (the baselines'
     groups), the budget is spent exactly, and the plan is the exact optimum over {0} ∪ {4..8}."""
     v = torch.rand(32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    cfg = AllocationConfig(name="trace", prompts_per_step=32, root_rollouts_per_step=32, rollouts_per_prompt_max=8,
-                           rollouts_per_prompt_min=4, exploration_fraction=explore)
+    cfg = AllocationConfig(
+        name="trace",
+        prompts_per_step=32,
+        root_rollouts_per_step=32,
+        rollouts_per_prompt_max=8,
+        rollouts_per_prompt_min=4,
+        exploration_fraction=explore,
+    )
     m = build_allocator(cfg).plan_roots(v, torch.Generator().manual_seed(0))
     assert int(m.sum()) == 32 and bool(((m == 0) | (m >= 4)).all())
     if not explore:

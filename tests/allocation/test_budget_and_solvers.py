@@ -1,4 +1,5 @@
 """Exactly equal budgets, host-sync freedom (on `meta` tensors), NaN-safe predictions and random ties."""
+
 import logging
 
 import pytest
@@ -31,8 +32,15 @@ def _plan(alloc, v_root, prefixes_per_rollout, g, v_prefix=None):
 @pytest.mark.parametrize("case", ["one_turn_prompts", "caps_bind", "no_prefix_at_all"])
 def test_every_allocator_spends_exactly_the_budget(name, case):
     cap = 1 if case == "caps_bind" else None
-    cfg = AllocationConfig(name=name, prompts_per_step=12, root_rollouts_per_step=16, rollouts_per_prompt_max=4,
-                           group_size=4, continuations_per_rollout=1.5, continuations_per_prefix_max=cap)
+    cfg = AllocationConfig(
+        name=name,
+        prompts_per_step=12,
+        root_rollouts_per_step=16,
+        rollouts_per_prompt_max=4,
+        group_size=4,
+        continuations_per_rollout=1.5,
+        continuations_per_prefix_max=cap,
+    )
     alloc = build_allocator(cfg)
     shapes = {
         # every even prompt's rollouts answer in one turn (no intermediate prefix); the rest have 2
@@ -59,8 +67,13 @@ def test_every_allocator_spends_exactly_the_budget(name, case):
 
 
 def test_unspendable_budget_moves_to_other_prompts_prefixes_first():
-    cfg = AllocationConfig(name="trace", prompts_per_step=4, root_rollouts_per_step=8, rollouts_per_prompt_max=4,
-                           continuations_per_rollout=1.0)
+    cfg = AllocationConfig(
+        name="trace",
+        prompts_per_step=4,
+        root_rollouts_per_step=8,
+        rollouts_per_prompt_max=4,
+        continuations_per_rollout=1.0,
+    )
     alloc = build_allocator(cfg)
     m = torch.tensor([4, 4, 0, 0])
     group = torch.tensor([1] * 6)  # prompt 0's four rollouts answered in one turn
@@ -93,8 +106,10 @@ def test_shipped_configs_give_pcl_a_pool_larger_than_the_budget():
             continue
         cfg = load_yaml(TrainConfig, path).allocation
         for name in ("pcl", "uniform", "treepo", "trace"):
-            assert not build_allocator(AllocationConfig(**{**cfg.__dict__, "name": name})).selection_is_a_no_op(), \
-                (path.name, name)
+            assert not build_allocator(AllocationConfig(**{**cfg.__dict__, "name": name})).selection_is_a_no_op(), (
+                path.name,
+                name,
+            )
 
 
 # --- no host sync: the device path runs on `meta` tensors, which refuse any data-dependent host read ----
@@ -108,12 +123,18 @@ def test_solvers_and_allocators_run_on_meta_tensors_without_host_reads():
     group = torch.zeros(P, dtype=torch.long, device="meta")
     budget = torch.zeros(B, dtype=torch.long, device="meta")
     for pool in ("group", "global"):
-        k = allocate_prefixes(pv, torch.empty(P, device="meta"), group, budget, 3, pool=pool, check=False,
-                              max_group_size=P)
+        k = allocate_prefixes(
+            pv, torch.empty(P, device="meta"), group, budget, 3, pool=pool, check=False, max_group_size=P
+        )
         assert k.device.type == "meta" and k.shape == (P,)
     for name in NAMES:
-        cfg = AllocationConfig(name=name, prompts_per_step=B, root_rollouts_per_step=32, rollouts_per_prompt_max=Mmax,
-                               continuations_per_prefix_max=2)
+        cfg = AllocationConfig(
+            name=name,
+            prompts_per_step=B,
+            root_rollouts_per_step=32,
+            rollouts_per_prompt_max=Mmax,
+            continuations_per_prefix_max=2,
+        )
         alloc = build_allocator(cfg, check=False, max_group_size=P)
         g = torch.Generator().manual_seed(0)
         m = alloc.plan_roots(v, g)
@@ -148,8 +169,13 @@ def test_non_finite_predictions_are_replaced_and_counted(name):
 
 # --- random ties ------------------------------------------------------------------------------------------
 def test_equal_predictions_spread_continuations_over_all_bare_rollouts():
-    cfg = AllocationConfig(name="trace", prompts_per_step=1, root_rollouts_per_step=8, rollouts_per_prompt_max=8,
-                           continuations_per_rollout=1.0)
+    cfg = AllocationConfig(
+        name="trace",
+        prompts_per_step=1,
+        root_rollouts_per_step=8,
+        rollouts_per_prompt_max=8,
+        continuations_per_rollout=1.0,
+    )
     alloc = build_allocator(cfg)
     m = torch.tensor([8])
     rollout = torch.repeat_interleave(torch.arange(8), 3)  # 3 prefixes per bare rollout, in order
@@ -166,8 +192,9 @@ def test_equal_predictions_spread_continuations_over_all_bare_rollouts():
         distinct.append(len(hit))
     assert covered == set(range(8)) and sum(distinct) / len(distinct) >= 5  # E = 5.8 for 8 random of 24
     # equal root predictions: the prompts that get rollouts vary with the seed, not always the first
-    roots = build_allocator(AllocationConfig(name="trace", prompts_per_step=16, root_rollouts_per_step=20,
-                                             rollouts_per_prompt_max=8))
+    roots = build_allocator(
+        AllocationConfig(name="trace", prompts_per_step=16, root_rollouts_per_step=20, rollouts_per_prompt_max=8)
+    )
     v_root = torch.full((16,), 0.5, dtype=torch.float64)
     used = set()
     for seed in range(10):
@@ -187,8 +214,13 @@ def test_allocators_on_cuda_never_synchronise_with_the_host():
     r = torch.randint(0, 2, (P,), generator=g).double().cuda()
     group = torch.sort(torch.randint(0, B, (P,), generator=g)).values.cuda()
     for name in NAMES:
-        cfg = AllocationConfig(name=name, prompts_per_step=B, root_rollouts_per_step=128, rollouts_per_prompt_max=8,
-                               continuations_per_prefix_max=2)
+        cfg = AllocationConfig(
+            name=name,
+            prompts_per_step=B,
+            root_rollouts_per_step=128,
+            rollouts_per_prompt_max=8,
+            continuations_per_prefix_max=2,
+        )
         alloc = build_allocator(cfg, check=False, max_group_size=P)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")

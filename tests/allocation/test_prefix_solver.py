@@ -1,8 +1,10 @@
 """allocate_prefixes against the exhaustive DP: per-group and global pools, caps, ties, edge cases."""
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trace_mega.allocation import allocate_prefixes, prefix_value
 from trace_mega.kernels.allocation_ref import prefix_objective, prefixes_dp, prefixes_greedy_python
@@ -32,7 +34,7 @@ def test_prefix_value_formula():
     r = torch.tensor([1, 0, 1, 0])
     k = torch.tensor([2, 2, 3, 0])
     q = r * v + (1 - r) * (1 - v)
-    assert torch.allclose(prefix_value(v, r, k), 1 - q ** k)
+    assert torch.allclose(prefix_value(v, r, k), 1 - q**k)
     assert prefix_value(torch.tensor(0.2), torch.tensor(1), 1).item() == pytest.approx(0.8)  # success seen, 0.8 flip
 
 
@@ -41,8 +43,12 @@ def test_matches_dp_on_random_instances(kind):
     rng = np.random.default_rng({"uniform": 0, "grid": 1, "identical": 2, "binary": 3}[kind])
     for t in range(120):
         P, G = int(rng.integers(1, 8)), int(rng.integers(1, 4))
-        v = {"uniform": lambda: rng.random(P), "grid": lambda: rng.integers(0, 5, P) / 4.0,
-             "identical": lambda: np.full(P, rng.random()), "binary": lambda: rng.integers(0, 2, P).astype(float)}[kind]()
+        v = {
+            "uniform": lambda: rng.random(P),
+            "grid": lambda: rng.integers(0, 5, P) / 4.0,
+            "identical": lambda: np.full(P, rng.random()),
+            "binary": lambda: rng.integers(0, 2, P).astype(float),
+        }[kind]()
         r = rng.integers(0, 2, P)
         group = rng.integers(0, G, P)
         budget = rng.integers(0, 8, G)
@@ -95,8 +101,9 @@ def test_edge_cases_and_ties():
     k = allocate_prefixes(torch.tensor([1.0, 0.0]), torch.tensor([1, 1]), torch.tensor([0, 0]), torch.tensor([3]))
     assert k.tolist() == [2, 1]
     # A subnormal flip probability (log1p underflows to -0.0) still loses to a certain flip.
-    k = allocate_prefixes(torch.tensor([0.0, 5e-324], dtype=torch.float64), torch.tensor([1, 0]),
-                          torch.tensor([0, 0]), torch.tensor([1]))
+    k = allocate_prefixes(
+        torch.tensor([0.0, 5e-324], dtype=torch.float64), torch.tensor([1, 0]), torch.tensor([0, 0]), torch.tensor([1])
+    )
     assert k.tolist() == [1, 0]
     for bad_v in ([0.5, float("nan"), 0.5], [0.5, 1.2, 0.5]):
         with pytest.raises(ValueError, match="v"):
@@ -109,13 +116,18 @@ def test_edge_cases_and_ties():
         allocate_prefixes(v, r, g, torch.tensor([-1]))
     with pytest.raises(ValueError, match="pool"):
         allocate_prefixes(v, r, g, torch.tensor([2]), pool="nope")
-    assert allocate_prefixes(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long),
-                             torch.tensor([3])).shape == (0,)
+    assert allocate_prefixes(
+        torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.tensor([3])
+    ).shape == (0,)
 
 
 def test_max_group_size_bound():
     rng = np.random.default_rng(3)
-    v, r, group = torch.tensor(rng.random(20)), torch.tensor(rng.integers(0, 2, 20)), torch.tensor(rng.integers(0, 3, 20))
+    v, r, group = (
+        torch.tensor(rng.random(20)),
+        torch.tensor(rng.integers(0, 2, 20)),
+        torch.tensor(rng.integers(0, 3, 20)),
+    )
     budget = torch.tensor([4, 7, 2])
     ref = allocate_prefixes(v, r, group, budget)
     assert torch.equal(allocate_prefixes(v, r, group, budget, max_group_size=20, check=False), ref)  # a loose bound

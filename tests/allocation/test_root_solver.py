@@ -1,8 +1,10 @@
 """allocate_roots against the exhaustive DP: exactness, constraints, edge cases, determinism."""
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trace_mega.allocation import allocate_roots, root_value
 from trace_mega.kernels.allocation_ref import root_objective, roots_dp, roots_greedy_python
@@ -25,7 +27,7 @@ def _check_exact(v, M, Mmax):
 def test_root_value_formula():
     v = torch.tensor([0.0, 0.3, 0.5, 1.0], dtype=torch.float64)
     m = torch.tensor([3, 2, 4, 5])
-    expect = 1 - v ** m - (1 - v) ** m
+    expect = 1 - v**m - (1 - v) ** m
     assert torch.allclose(root_value(v, m), expect)
     assert torch.equal(root_value(v, 0), torch.zeros(4, dtype=torch.float64))  # skipped prompt
     assert torch.allclose(root_value(v, 1), torch.zeros(4, dtype=torch.float64))  # a lone rollout
@@ -38,11 +40,13 @@ def test_matches_dp_on_random_instances(kind):
     for _ in range(150):
         B = int(rng.integers(1, 7))
         Mmax = int(rng.integers(2, 7))
-        v = {"uniform": lambda: rng.random(B),
-             "grid": lambda: rng.integers(0, 5, B) / 4.0,  # many exact ties, v in {0, 1} included
-             "tiny": lambda: rng.random(B) * 0.05,  # nearly flat gain chains (the hard parity cases)
-             "identical": lambda: np.full(B, rng.random()),
-             "binary": lambda: rng.integers(0, 2, B).astype(float)}[kind]()
+        v = {
+            "uniform": lambda: rng.random(B),
+            "grid": lambda: rng.integers(0, 5, B) / 4.0,  # many exact ties, v in {0, 1} included
+            "tiny": lambda: rng.random(B) * 0.05,  # nearly flat gain chains (the hard parity cases)
+            "identical": lambda: np.full(B, rng.random()),
+            "binary": lambda: rng.integers(0, 2, B).astype(float),
+        }[kind]()
         M = int(rng.integers(0, B * Mmax + 3))
         if _feasible(B, Mmax, M):
             _check_exact(v, M, Mmax)
@@ -66,12 +70,16 @@ def test_python_greedy_is_exact():
         assert abs(root_objective(v, roots_greedy_python(v, M, Mmax)) - roots_dp(v, M, Mmax)[1]) <= 1e-9
 
 
-@pytest.mark.parametrize("v,M,Mmax,expect", [
-    ([0.89, 0.822, 0.48], 4, 4, [0, 0, 4]),  # M1: the odd unit goes to an active prompt
-    ([0.857, 0.034, 0.73, 0.176], 10, 3, [2, 2, 3, 3]),  # M2: activate a prompt, drop a tail unit
-])
+@pytest.mark.parametrize(
+    "v,M,Mmax,expect",
+    [
+        ([0.89, 0.822, 0.48], 4, 4, [0, 0, 4]),  # M1: the odd unit goes to an active prompt
+        ([0.857, 0.034, 0.73, 0.176], 10, 3, [2, 2, 3, 3]),  # M2: activate a prompt, drop a tail unit
+    ],
+)
 def test_parity_fixup_moves(v, M, Mmax, expect):
     from trace_mega.kernels.allocation import root_relaxed_counts, root_unit_gains
+
     relaxed = root_relaxed_counts(root_unit_gains(torch.tensor(v), Mmax), torch.tensor(M))
     assert int((relaxed == 1).sum()) == 1  # the relaxation is infeasible here: the fix-up is exercised
     assert _check_exact(v, M, Mmax).tolist() == expect
@@ -153,7 +161,7 @@ def test_minimum_group_equals_the_reference_dp(min_rollouts):
         Mmax = int(torch.randint(min_rollouts, 9, (1,), generator=g))
         v = torch.rand(B, generator=g, dtype=torch.float64)
         if trial % 2:
-            v = v ** 4 if trial % 4 == 1 else 1 - v ** 4  # mass near 0 or 1
+            v = v**4 if trial % 4 == 1 else 1 - v**4  # mass near 0 or 1
         M = int(torch.randint(0, B * Mmax + 3, (1,), generator=g))
         ref, best = roots_dp(v.tolist(), M, Mmax, min_rollouts)
         if ref is None:

@@ -16,6 +16,7 @@
   contract (stop after the first stop token, at most `max_new_tokens`).
   Log-probs are a deterministic function of (turn index, position).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ QWEN3_STYLE_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
@@ -107,7 +108,7 @@ class ReplayEngine(Engine):
             key = tuple(prefix[:n])
             if key in self.scripts:
                 rest, k, head = prefix[n:], len(self.gen_prompt), self.gen_prompt[0]
-                turn = sum(1 for i, t in enumerate(rest) if t == head and rest[i:i + k] == self.gen_prompt)
+                turn = sum(1 for i, t in enumerate(rest) if t == head and rest[i : i + k] == self.gen_prompt)
                 return key, turn
         raise AssertionError("a prefix that starts with none of the scripted prompts")
 
@@ -131,8 +132,11 @@ class ReplayEngine(Engine):
             else:
                 reason = "stop" if len(ids) < sampling.max_new_tokens else reason
             self.turns_served.setdefault(key, []).append(turn)
-            out.append(Completion(token_ids=ids, logprobs=[replay_logprob(turn, j) for j in range(len(ids))],
-                                  finish_reason=reason))
+            out.append(
+                Completion(
+                    token_ids=ids, logprobs=[replay_logprob(turn, j) for j in range(len(ids))], finish_reason=reason
+                )
+            )
         return out
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -4,6 +4,7 @@ Tests that need it skip with the reason the sandbox gives; CI sets
 TRACE_MEGA_REQUIRE_JAIL=1 (`.ci/run`), which turns that skip into a failure,
 so the attack suite cannot pass there without the jail.
 """
+
 import os
 from functools import lru_cache
 from typing import Optional

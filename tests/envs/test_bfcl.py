@@ -1,4 +1,5 @@
 """bfcl_multi_turn: ground-truth replay, corrupted replays, turn protocol, fork, timeouts."""
+
 import copy
 import json
 import threading
@@ -7,6 +8,8 @@ import time
 import pytest
 
 pytest.importorskip("bfcl_eval", reason="pip install --no-deps -r requirements/nodeps.txt")
+
+from whole_token_engine import WholeTokenEngine  # noqa: E402
 
 from trace_mega.envs import build_env  # noqa: E402
 from trace_mega.envs.base import ToolCall  # noqa: E402
@@ -18,7 +21,6 @@ from trace_mega.envs.bfcl import (  # noqa: E402
     ground_truth_calls,
     replay,
 )
-from whole_token_engine import WholeTokenEngine  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=CATEGORIES)
@@ -91,7 +93,7 @@ def test_turn_protocol_and_observations():
 def test_miss_func_reveals_held_out_functions():
     env = BFCLMultiTurnEnv(categories=("miss_func",), max_tasks_per_category=1)
     task = env.tasks()[0]
-    (turn, names), = task.meta["entry"]["missed_function"].items()
+    ((turn, names),) = task.meta["entry"]["missed_function"].items()
     visible = {t["function"]["name"] for t in task.tools}
     assert not set(names) & visible
     state = env.reset(task)
@@ -206,13 +208,19 @@ def test_single_turn_task_through_the_agent_loop():
     env = BFCLMultiTurnEnv(categories=("base",))
     task = next(t for t in env.tasks() if t.task_id == "multi_turn_base_50")
     assert len(task.meta["entry"]["question"]) == 1
-    calls = ["<tool_call>" + json.dumps({"name": c.name, "arguments": c.arguments}) + "</tool_call>"
-             for c in ground_truth_calls(task)[0]]
+    calls = [
+        "<tool_call>" + json.dumps({"name": c.name, "arguments": c.arguments}) + "</tool_call>"
+        for c in ground_truth_calls(task)[0]
+    ]
     rewards, observations = {}, {}
     for name, script in (("full", calls), ("partial", calls[:1])):
         tok = build_tiny_tokenizer([], [*calls, "<answer>done</answer>"])
-        loop = AgentLoop(env, WholeTokenEngine(tok, [*script, "<answer>done</answer>"]), tok,
-                         RolloutConfig(max_turns=6, max_new_tokens_per_turn=4, max_total_tokens=8192))
+        loop = AgentLoop(
+            env,
+            WholeTokenEngine(tok, [*script, "<answer>done</answer>"]),
+            tok,
+            RolloutConfig(max_turns=6, max_new_tokens_per_turn=4, max_total_tokens=8192),
+        )
         (tree,) = loop.rollout([task], [1])
         loop.close()
         path = tree.path(tree.leaves()[0])

@@ -26,6 +26,7 @@ ground truth 1 on all but the known dataset quirks (task 173 of each category,
 miss_func_49: the parser rejects a ground-truth call), drop 0 on 800/800, alter 0
 on all but tasks 38, 63, 139 (63 and 38 for miss_func). The sample excludes those.
 """
+
 import os
 import random
 import time
@@ -44,8 +45,13 @@ from trace_mega.rollout.agent_loop import AgentLoop  # noqa: E402
 PER_CATEGORY = 5
 # Ground truth the ReAct parser rejects (docs/envs.md, "Dataset quirks"), and altered
 # arguments the official checker cannot see (docs/envs.md, "Measured").
-PARSER_QUIRKS = {"multi_turn_base_173", "multi_turn_long_context_173", "multi_turn_miss_func_173",
-                 "multi_turn_miss_param_173", "multi_turn_miss_func_49"}
+PARSER_QUIRKS = {
+    "multi_turn_base_173",
+    "multi_turn_long_context_173",
+    "multi_turn_miss_func_173",
+    "multi_turn_miss_param_173",
+    "multi_turn_miss_func_49",
+}
 ALTER_INVISIBLE = {38, 63, 139}
 # Limits above what the ground truth needs (a long_context call can carry ~7 kB of text: 7k byte tokens).
 CFG = RolloutConfig(max_turns=64, max_new_tokens_per_turn=16384, max_total_tokens=1_000_000)
@@ -53,8 +59,9 @@ CFG = RolloutConfig(max_turns=64, max_new_tokens_per_turn=16384, max_total_token
 
 def sample(tasks, category):
     """`PER_CATEGORY` tasks of `category`, the same on every run."""
-    eligible = [t for t in tasks if t.task_id not in PARSER_QUIRKS
-                and int(t.task_id.rsplit("_", 1)[1]) not in ALTER_INVISIBLE]
+    eligible = [
+        t for t in tasks if t.task_id not in PARSER_QUIRKS and int(t.task_id.rsplit("_", 1)[1]) not in ALTER_INVISIBLE
+    ]
     picked = random.Random(f"bfcl-agent-loop/{category}").sample(range(len(eligible)), PER_CATEGORY)
     return [eligible[i] for i in sorted(picked)]
 
@@ -108,8 +115,15 @@ def episodes(request):
         turns = gold if mode == "gold" else [corrupt(g, mode) for g in gold]
         scripts = [script(tok, g) for g in turns]
         trees, stats, engine, loop, expanded = run(env, tok, tasks, prompts, scripts, expand=mode == "gold")
-        out[mode] = {"turns": turns, "scripts": scripts, "trees": trees, "stats": stats,
-                     "engine": engine, "loop": loop, "expanded": expanded}
+        out[mode] = {
+            "turns": turns,
+            "scripts": scripts,
+            "trees": trees,
+            "stats": stats,
+            "engine": engine,
+            "loop": loop,
+            "expanded": expanded,
+        }
     print(f"bfcl agent loop, {category}: {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -128,9 +142,14 @@ def test_sample_covers_the_category(episodes):
         for task, turns in zip(tasks, gold):
             held = task.meta["held_out_docs"]
             assert held and not {d["name"] for docs in held.values() for d in docs} & {
-                t["function"]["name"] for t in task.tools}
-            assert any(c.name in {d["name"] for d in docs} for turn, docs in held.items()
-                       for calls in turns[turn:] for c in calls), task.task_id
+                t["function"]["name"] for t in task.tools
+            }
+            assert any(
+                c.name in {d["name"] for d in docs}
+                for turn, docs in held.items()
+                for calls in turns[turn:]
+                for c in calls
+            ), task.task_id
     if episodes["category"] == "miss_param":
         assert any(turn == [] for g in gold for turn in g)  # a turn where the model must ask, not call
 
@@ -164,8 +183,9 @@ def test_turn_layout_observations_and_loss_mask(episodes):
         assert all(n.reward is None for n in nodes[:-1]) and nodes[-1].reward == 1.0
         # user turns: every answer but the last is followed by the next user message
         finals = [n for n in nodes if n.kind == "final"]
-        assert len(finals) == len(entry["question"]) and [bool(n.info.get("next_turn")) for n in finals] == [
-            True] * (len(finals) - 1) + [False]
+        assert len(finals) == len(entry["question"]) and [bool(n.info.get("next_turn")) for n in finals] == [True] * (
+            len(finals) - 1
+        ) + [False]
         held = task.meta["held_out_docs"]
         for i, node in enumerate(finals[:-1], start=1):
             assert node.action == f"turn {i - 1} done"
@@ -179,7 +199,8 @@ def test_turn_layout_observations_and_loss_mask(episodes):
         calls = [c for cs in turns for c in cs]
         tool_nodes = [n for n in nodes if n.kind == "tool"]
         assert [n.info["tool_calls"] for n in tool_nodes] == [
-            [{"name": c.name, "arguments": c.arguments}] for c in calls]
+            [{"name": c.name, "arguments": c.arguments}] for c in calls
+        ]
         assert [n.observation for n in tool_nodes] == direct and all(direct)
         # token layout: generated ids (loss 1, engine log-probs), then observation / user ids (loss 0)
         for turn, (node, ids) in enumerate(zip(nodes, scripted)):
@@ -200,7 +221,7 @@ def test_turn_layout_observations_and_loss_mask(episodes):
                 messages.append({"role": "user", "content": node.observation})
         full = tok.apply_chat_template(messages, tools=task.tools, tokenize=True, return_dict=False)
         stream = tree.prefix_token_ids(min(tree.leaves()))
-        assert stream == full[: len(stream)] and tok.decode(full[len(stream):]) == "\n"
+        assert stream == full[: len(stream)] and tok.decode(full[len(stream) :]) == "\n"
         text = tok.decode(stream)
         assert text.count("<|im_start|>user\n<tool_response>") == len(tool_nodes)
         assert text.count("<|im_start|>user\n") - len(tool_nodes) == len(entry["question"])
@@ -217,7 +238,8 @@ def test_corrupted_scripts_score_zero(episodes, mode):
         assert nodes[-1].reward == 0.0, task.task_id
         assert all("error" not in n.info for n in nodes)
         assert [n.info["tool_calls"][0] for n in nodes if n.kind == "tool"] == [
-            {"name": c.name, "arguments": c.arguments} for cs in turns for c in cs]
+            {"name": c.name, "arguments": c.arguments} for cs in turns for c in cs
+        ]
         assert sum(n.kind == "final" for n in nodes) == len(task.meta["entry"]["question"])
     assert run_["stats"].successes == 0 and run_["stats"].parse_errors == 0
 
@@ -286,7 +308,8 @@ def test_full_category_through_the_agent_loop(category):
             bad += [tr.prompt_id for tr in trees if leaf_path(tr)[-1].reward != want]
         unexpected[mode] = sorted(bad, key=lambda s: int(s.rsplit("_", 1)[1]))
     prefix = f"multi_turn_{category}_"
-    assert unexpected["gold"] == sorted((q for q in PARSER_QUIRKS if q.startswith(prefix)),
-                                        key=lambda s: int(s.rsplit("_", 1)[1]))
+    assert unexpected["gold"] == sorted(
+        (q for q in PARSER_QUIRKS if q.startswith(prefix)), key=lambda s: int(s.rsplit("_", 1)[1])
+    )
     assert unexpected["drop"] == []
     assert {int(s.rsplit("_", 1)[1]) for s in unexpected["alter"]} <= ALTER_INVISIBLE

@@ -1,8 +1,10 @@
 """math_python: loaders, math-verify reward, the python tool, concurrent episodes."""
+
 import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from whole_token_engine import WholeTokenEngine
 
 from trace_mega.envs import build_env
 from trace_mega.envs.base import ToolCall
@@ -13,7 +15,6 @@ from trace_mega.envs.math_python import (
     math_reward,
 )
 from trace_mega.envs.sandbox import SandboxLimits
-from whole_token_engine import WholeTokenEngine
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +41,26 @@ def test_shipped_problems(env):
 
 
 def test_deepscaler_and_math_layouts(tmp_path):
-    deep = _write(tmp_path / "deepscaler.jsonl", [
-        {"problem": "What is 2+3?", "answer": "5", "solution": "2+3=5"},
-        {"problem": "Half of 1?", "answer": "\\frac{1}{2}", "solution": "..."},
-    ])
-    math = _write(tmp_path / "math.jsonl", [
-        {"problem": "Compute $\\sqrt{16}$.", "solution": "It is $\\boxed{4}$.", "level": "Level 1",
-         "type": "Algebra"},
-        {"problem": "Simplify.", "solution": "First $\\boxed{1}$, finally $\\boxed{\\frac{a}{b^{2}}}$."},
-        {"problem": "MATH500 row", "solution": "x", "answer": "7", "unique_id": "test/algebra/1.json"},
-    ])
+    deep = _write(
+        tmp_path / "deepscaler.jsonl",
+        [
+            {"problem": "What is 2+3?", "answer": "5", "solution": "2+3=5"},
+            {"problem": "Half of 1?", "answer": "\\frac{1}{2}", "solution": "..."},
+        ],
+    )
+    math = _write(
+        tmp_path / "math.jsonl",
+        [
+            {
+                "problem": "Compute $\\sqrt{16}$.",
+                "solution": "It is $\\boxed{4}$.",
+                "level": "Level 1",
+                "type": "Algebra",
+            },
+            {"problem": "Simplify.", "solution": "First $\\boxed{1}$, finally $\\boxed{\\frac{a}{b^{2}}}$."},
+            {"problem": "MATH500 row", "solution": "x", "answer": "7", "unique_id": "test/algebra/1.json"},
+        ],
+    )
     d = load_math(deep)
     assert [t.gold_answer for t in d] == ["5", "\\frac{1}{2}"]
     assert d[0].messages[-1] == {"role": "user", "content": "What is 2+3?"}
@@ -69,18 +80,21 @@ def test_last_boxed_balances_braces():
     assert last_boxed("\\boxed{unclosed") is None
 
 
-@pytest.mark.parametrize("gold,answer,expected", [
-    ("\\frac{100}{101}", "\\boxed{\\frac{100}{101}}", 1.0),
-    ("\\frac{100}{101}", "100/101", 1.0),
-    ("1+\\sqrt{2}", "\\sqrt{2} + 1", 1.0),
-    ("1+\\sqrt{2}", "So the root is $1+\\sqrt{2}$.", 1.0),
-    ("649", "The last three digits are \\boxed{649}", 1.0),
-    ("649", "\\boxed{648}", 0.0),
-    ("1+\\sqrt{2}", "1-\\sqrt{2}", 0.0),
-    ("405", None, 0.0),
-    ("405", "   ", 0.0),
-    ("405", "I do not know", 0.0),
-])
+@pytest.mark.parametrize(
+    "gold,answer,expected",
+    [
+        ("\\frac{100}{101}", "\\boxed{\\frac{100}{101}}", 1.0),
+        ("\\frac{100}{101}", "100/101", 1.0),
+        ("1+\\sqrt{2}", "\\sqrt{2} + 1", 1.0),
+        ("1+\\sqrt{2}", "So the root is $1+\\sqrt{2}$.", 1.0),
+        ("649", "The last three digits are \\boxed{649}", 1.0),
+        ("649", "\\boxed{648}", 0.0),
+        ("1+\\sqrt{2}", "1-\\sqrt{2}", 0.0),
+        ("405", None, 0.0),
+        ("405", "   ", 0.0),
+        ("405", "I do not know", 0.0),
+    ],
+)
 def test_math_verify_reward(gold, answer, expected):
     assert math_reward(gold, answer) == expected
 
@@ -102,9 +116,13 @@ def test_python_tool_episode(env):
 def test_bombs_in_some_episodes_leave_the_others_intact(env):
     tasks = env.tasks()
     states = [env.reset(t) for t in tasks]
-    bombs = ["while True: pass", "x = bytearray(8 * 1024 ** 3)",
-             "import os\nwhile True: os.fork()", "print('z' * 100_000_000)",
-             "import socket; socket.create_connection(('1.1.1.1', 80))"]
+    bombs = [
+        "while True: pass",
+        "x = bytearray(8 * 1024 ** 3)",
+        "import os\nwhile True: os.fork()",
+        "print('z' * 100_000_000)",
+        "import socket; socket.create_connection(('1.1.1.1', 80))",
+    ]
     items = []
     for i, state in enumerate(states):
         code = bombs[i // 2] if i % 2 else f"print({i} * 111)"
@@ -134,8 +152,12 @@ def test_episode_through_the_agent_loop(tmp_path):
     trees = {}
     for answer in ("5050", "5051"):
         tok = build_tiny_tokenizer(["5050"], [call, f"<answer>{answer}</answer>"])
-        loop = AgentLoop(env, WholeTokenEngine(tok, [call, f"<answer>{answer}</answer>"]), tok,
-                         RolloutConfig(max_turns=4, max_new_tokens_per_turn=4, max_total_tokens=4096))
+        loop = AgentLoop(
+            env,
+            WholeTokenEngine(tok, [call, f"<answer>{answer}</answer>"]),
+            tok,
+            RolloutConfig(max_turns=4, max_new_tokens_per_turn=4, max_total_tokens=4096),
+        )
         (trees[answer],) = loop.rollout(env.tasks("train"), [2])
         loop.close()
     for answer, reward in (("5050", 1.0), ("5051", 0.0)):
@@ -156,21 +178,39 @@ def test_usual_math_layouts_jsonl_json_and_parquet(tmp_path):
     amc.write_text(json.dumps({"data": [{"question": "How many?", "answer": 7.0}]}))
     olymp = _write(tmp_path / "olympiadbench.jsonl", [{"question": "Solve.", "final_answer": ["$\\frac{1}{2}$"]}])
     verl = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist([
-        {"data_source": "math500", "prompt": [{"role": "user", "content": "Compute 2+2."}],
-         "reward_model": {"style": "rule", "ground_truth": "4"}},
-        {"data_source": "minerva", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Q2"}],
-         "reward_model": {"style": "rule", "ground_truth": "1"}},
-    ]), verl)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "data_source": "math500",
+                    "prompt": [{"role": "user", "content": "Compute 2+2."}],
+                    "reward_model": {"style": "rule", "ground_truth": "4"},
+                },
+                {
+                    "data_source": "minerva",
+                    "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "Q2"}],
+                    "reward_model": {"style": "rule", "ground_truth": "1"},
+                },
+            ]
+        ),
+        verl,
+    )
     (a,) = load_math(aime)
-    assert (a.task_id, a.gold_answer, a.meta["source"], a.messages[-1]["content"]) == ("aime24-60", "204", "aime24", "Find x.")
+    assert (a.task_id, a.gold_answer, a.meta["source"], a.messages[-1]["content"]) == (
+        "aime24-60",
+        "204",
+        "aime24",
+        "Find x.",
+    )
     (m,) = load_math(amc)
     assert (m.gold_answer, m.meta["source"]) == ("7.0", "amc23")
     (o,) = load_math(olymp)
     assert o.gold_answer == "\\frac{1}{2}" and math_reward(o.gold_answer, "0.5") == 1.0
     v = load_math(verl)
     assert [(t.meta["source"], t.gold_answer, t.messages[-1]["content"]) for t in v] == [
-        ("math500", "4", "Compute 2+2."), ("minerva", "1", "Q2")]
+        ("math500", "4", "Compute 2+2."),
+        ("minerva", "1", "Q2"),
+    ]
     with pytest.raises(ValueError, match="needs one of the fields"):
         load_math(_write(tmp_path / "x.jsonl", [{"text": "no problem field", "answer": "1"}]))
     env = MathPythonEnv(test_path=[str(aime), str(verl)])

@@ -1,8 +1,10 @@
 """multihop_qa: shipped data is multi-hop, BM25 search tool, loaders, EM/F1, dense-path errors."""
+
 import json
 import sys
 
 import pytest
+from whole_token_engine import WholeTokenEngine
 
 from trace_mega.envs import build_env
 from trace_mega.envs.base import ToolCall
@@ -19,7 +21,6 @@ from trace_mega.envs.multihop_qa import (
     load_qa,
     normalize_answer,
 )
-from whole_token_engine import WholeTokenEngine
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,10 @@ def test_shipped_data_is_multi_hop_by_construction(env):
         question = t.messages[-1]["content"]
         first, second = (passages[s] for s in t.meta["supporting_titles"])
         answer = normalize_answer(t.gold_answer)
-        assert second.title.lower() in first.text.lower(), t.task_id      # the bridge entity
-        assert second.title.lower() not in question.lower(), t.task_id    # ... is not named
-        assert answer not in normalize_answer(first.text), t.task_id      # first hop lacks it
-        assert answer in normalize_answer(second.text), t.task_id         # second hop has it
+        assert second.title.lower() in first.text.lower(), t.task_id  # the bridge entity
+        assert second.title.lower() not in question.lower(), t.task_id  # ... is not named
+        assert answer not in normalize_answer(first.text), t.task_id  # first hop lacks it
+        assert answer in normalize_answer(second.text), t.task_id  # second hop has it
     for t in comparisons:
         a, b = (passages[s] for s in t.meta["supporting_titles"])
         assert a.title.split()[-1] in t.messages[-1]["content"] and b.title.split()[-1] in t.messages[-1]["content"]
@@ -103,17 +104,40 @@ def _write(path, rows, jsonl=True):
 
 def test_hotpotqa_and_2wiki_loaders(tmp_path):
     context = [["Alpha", ["Alpha is a town.", " It lies on the Beta."]], ["Beta", ["Beta is a river."]]]
-    hotpot = _write(tmp_path / "hotpot.json", [{
-        "_id": "5a8b", "question": "Which river?", "answer": "Beta", "type": "bridge", "level": "hard",
-        "supporting_facts": [["Alpha", 1], ["Beta", 0]], "context": context}], jsonl=False)
+    hotpot = _write(
+        tmp_path / "hotpot.json",
+        [
+            {
+                "_id": "5a8b",
+                "question": "Which river?",
+                "answer": "Beta",
+                "type": "bridge",
+                "level": "hard",
+                "supporting_facts": [["Alpha", 1], ["Beta", 0]],
+                "context": context,
+            }
+        ],
+        jsonl=False,
+    )
     (t,) = load_qa(hotpot)
     assert (t.task_id, t.gold_answer, t.meta["dataset"], t.meta["level"]) == ("5a8b", "Beta", "hotpotqa", "hard")
     assert t.meta["supporting_titles"] == ["Alpha", "Beta"]
     assert t.meta["context"][0] == {"title": "Alpha", "text": "Alpha is a town. It lies on the Beta."}
-    wiki = _write(tmp_path / "2wiki.json", [{
-        "_id": "w1", "question": "Who?", "answer": "Gamma", "type": "compositional",
-        "supporting_facts": [["Alpha", 0]], "context": context, "evidences": [["Alpha", "river", "Beta"]]}],
-        jsonl=False)
+    wiki = _write(
+        tmp_path / "2wiki.json",
+        [
+            {
+                "_id": "w1",
+                "question": "Who?",
+                "answer": "Gamma",
+                "type": "compositional",
+                "supporting_facts": [["Alpha", 0]],
+                "context": context,
+                "evidences": [["Alpha", "river", "Beta"]],
+            }
+        ],
+        jsonl=False,
+    )
     (w,) = load_qa(wiki)
     assert w.meta["dataset"] == "2wikimultihopqa" and w.meta["evidences"] == [["Alpha", "river", "Beta"]]
     corpus = corpus_from_tasks([t, w])
@@ -121,10 +145,22 @@ def test_hotpotqa_and_2wiki_loaders(tmp_path):
 
 
 def test_musique_bamboogle_flashrag_loaders(tmp_path):
-    musique = _write(tmp_path / "musique.jsonl", [{
-        "id": "2hop__1", "question": "Q?", "answer": "Delta", "answer_aliases": ["D."], "answerable": True,
-        "paragraphs": [{"idx": 0, "title": "T0", "paragraph_text": "Delta text", "is_supporting": True},
-                       {"idx": 1, "title": "T1", "paragraph_text": "noise", "is_supporting": False}]}])
+    musique = _write(
+        tmp_path / "musique.jsonl",
+        [
+            {
+                "id": "2hop__1",
+                "question": "Q?",
+                "answer": "Delta",
+                "answer_aliases": ["D."],
+                "answerable": True,
+                "paragraphs": [
+                    {"idx": 0, "title": "T0", "paragraph_text": "Delta text", "is_supporting": True},
+                    {"idx": 1, "title": "T1", "paragraph_text": "noise", "is_supporting": False},
+                ],
+            }
+        ],
+    )
     (m,) = load_qa(musique)
     assert m.meta["answers"] == ["Delta", "D."] and m.meta["supporting_titles"] == ["T0"]
     state_env = MultiHopQAEnv(train_path=musique, corpus="context")
@@ -143,7 +179,7 @@ def test_musique_bamboogle_flashrag_loaders(tmp_path):
 
 
 def test_flashrag_corpus_layout(tmp_path):
-    path = _write(tmp_path / "wiki.jsonl", [{"id": "0", "contents": "\"Zeta\"\nZeta is a letter."}])
+    path = _write(tmp_path / "wiki.jsonl", [{"id": "0", "contents": '"Zeta"\nZeta is a letter.'}])
     assert load_corpus(path) == [Passage("0", "Zeta", "Zeta is a letter.")]
 
 
@@ -177,8 +213,11 @@ def test_dense_retriever_pipeline_with_a_tiny_local_encoder(tmp_path):
     (tmp_path / "vocab.txt").write_text("\n".join(vocab))
     BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, intermediate_size=64)).save_pretrained(tmp_path)
+    BertModel(
+        BertConfig(
+            vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        )
+    ).save_pretrained(tmp_path)
     retriever = DenseRetriever(passages, model=str(tmp_path), device="cpu")
     hits = retriever.search("Halvard lamp", 5)
     scores = [s for _, s in hits]
@@ -193,12 +232,18 @@ def test_two_hop_episode_through_the_agent_loop(env):
     from trace_mega.rollout.agent_loop import AgentLoop
 
     task = next(t for t in env.tasks() if t.gold_answer == "Vallis")
-    actions = ['<tool_call>{"name": "search", "arguments": {"query": "architect of the Gannet Light"}}</tool_call>',
-               '<tool_call>{"name": "search", "arguments": {"query": "Tomas Ferreira born", "k": 1}}</tool_call>',
-               "<answer>Vallis</answer>"]
+    actions = [
+        '<tool_call>{"name": "search", "arguments": {"query": "architect of the Gannet Light"}}</tool_call>',
+        '<tool_call>{"name": "search", "arguments": {"query": "Tomas Ferreira born", "k": 1}}</tool_call>',
+        "<answer>Vallis</answer>",
+    ]
     tok = build_tiny_tokenizer([], actions)
-    loop = AgentLoop(env, WholeTokenEngine(tok, actions), tok,
-                     RolloutConfig(max_turns=5, max_new_tokens_per_turn=4, max_total_tokens=8192))
+    loop = AgentLoop(
+        env,
+        WholeTokenEngine(tok, actions),
+        tok,
+        RolloutConfig(max_turns=5, max_new_tokens_per_turn=4, max_total_tokens=8192),
+    )
     (tree,) = loop.rollout([task], [1])
     loop.close()
     first, second, final = (tree.nodes[n] for n in tree.path(tree.leaves()[0])[1:])

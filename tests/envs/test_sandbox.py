@@ -2,6 +2,7 @@
 
 Attacks written to defeat the hook are in test_sandbox_attacks.py (jail only).
 """
+
 import logging
 import os
 import pathlib
@@ -12,7 +13,6 @@ import time
 import uuid
 
 import pytest
-
 from jail import require_jail
 
 from trace_mega.envs.sandbox import WEAK_WARNING, Sandbox, SandboxLimits
@@ -41,8 +41,9 @@ def _no_children_left():
 
 def _like(sandbox, max_workers=1, **limits):
     """A sandbox with the same isolation as `sandbox` and other limits."""
-    return Sandbox(limits=SandboxLimits(**{**LIMITS.__dict__, **limits}), max_workers=max_workers,
-                   isolation=sandbox.isolation)
+    return Sandbox(
+        limits=SandboxLimits(**{**LIMITS.__dict__, **limits}), max_workers=max_workers, isolation=sandbox.isolation
+    )
 
 
 def test_plain_code_runs(sandbox):
@@ -84,23 +85,29 @@ def test_sleeping_code_is_killed_at_the_wall_time_limit(sandbox):
     assert res.status == "timeout" and res.wall_s < 4.0 and _no_children_left()
 
 
-@pytest.mark.parametrize("code", [
-    "import os\nos.fork()",
-    "import subprocess\nsubprocess.run(['true'])",
-    "import os\nos.system('sleep 100 &')",
-    "import _posixsubprocess\n_posixsubprocess.fork_exec()",
-    "import multiprocessing as mp\nmp.Process(target=print).start()",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos.fork()",
+        "import subprocess\nsubprocess.run(['true'])",
+        "import os\nos.system('sleep 100 &')",
+        "import _posixsubprocess\n_posixsubprocess.fork_exec()",
+        "import multiprocessing as mp\nmp.Process(target=print).start()",
+    ],
+)
 def test_the_hook_refuses_new_processes_first(sandbox, code):
     res = sandbox.run(code)
     assert res.status == "error" and "sandbox:" in res.output and "not allowed" in res.output
     assert _no_children_left()
 
 
-@pytest.mark.parametrize("code", [
-    "import os\nwhile True:\n    os.fork()",
-    "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nwhile True:\n    os.fork()",
+        "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])",
+    ],
+)
 def test_fork_bomb_is_refused(sandbox, code):
     if sandbox.isolation != "bwrap":
         pytest.skip("fork bombs run only under the kernel jail")
@@ -165,8 +172,13 @@ def test_100mb_of_output_is_truncated_and_stopped(sandbox):
 
 def test_a_bomb_does_not_disturb_concurrent_calls(sandbox):
     fork = "import os\nwhile True:\n    os.fork()" if sandbox.isolation == "bwrap" else "import os\nos.fork()"
-    bombs = ["while True:\n    pass", "x = bytearray(4 * 1024 ** 3)",
-             "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)", fork, "import time\ntime.sleep(60)"]
+    bombs = [
+        "while True:\n    pass",
+        "x = bytearray(4 * 1024 ** 3)",
+        "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)",
+        fork,
+        "import time\ntime.sleep(60)",
+    ]
     normal = [f"import time\ntime.sleep(0.3)\nprint(sum(range({n})))" for n in range(10)]
     codes = [c for pair in zip(bombs * 2, normal) for c in pair]
     fds = len(os.listdir("/proc/self/fd"))

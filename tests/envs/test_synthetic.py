@@ -1,15 +1,23 @@
 """Synthetic environments: known success probabilities, exact prefix values, the tiny tokenizer."""
+
 import itertools
-import statistics
 import random
+import statistics
 
 import pytest
 
 from trace_mega.envs import ENVS, build_env
 from trace_mega.envs.base import ToolCall
 from trace_mega.envs.react import ReactScaffold, parse_turn
-from trace_mega.envs.synthetic import (ACTION_TOKENS, ANSWER_DONE, MOVE_LEFT, MOVE_RIGHT, REVEAL, SyntheticEnv,
-                                       SyntheticToolsEnv)
+from trace_mega.envs.synthetic import (
+    ACTION_TOKENS,
+    ANSWER_DONE,
+    MOVE_LEFT,
+    MOVE_RIGHT,
+    REVEAL,
+    SyntheticEnv,
+    SyntheticToolsEnv,
+)
 
 REVEAL_CALL = ToolCall("reveal", {})
 LEFT, RIGHT = ToolCall("move", {"dir": "left"}), ToolCall("move", {"dir": "right"})
@@ -54,7 +62,9 @@ def test_true_value_is_exact_martingale():
                             children.append(c)
                             break
                 assert len(children) == 2
-                assert (env.true_value(children[0]) + env.true_value(children[1])) / 2 == pytest.approx(env.true_value(s))
+                assert (env.true_value(children[0]) + env.true_value(children[1])) / 2 == pytest.approx(
+                    env.true_value(s)
+                )
                 nxt += children
             frontier = nxt
         assert env.step(frontier[0], REVEAL_CALL) == "empty"  # no more digits
@@ -180,7 +190,8 @@ def test_slip_levels_are_stated_in_the_prompt_and_spread_difficulty():
         by_slip.setdefault(t.meta["slip"], []).append(t)
         words = t.messages[1]["content"]
         assert words == f"start {t.meta['start']} goal {t.meta['goal']}" + (
-            f" ice {round(10 * t.meta['slip'])}" if t.meta["slip"] > 0 else "")
+            f" ice {round(10 * t.meta['slip'])}" if t.meta["slip"] > 0 else ""
+        )
     assert sorted(by_slip) == [0.0, 0.3, 0.9] and {len(v) for v in by_slip.values()} == {14}
     # the default rendering is unchanged: a bare "ice" flag whatever the level
     assert {t.messages[1]["content"].split(" ice")[-1] for t in SyntheticToolsEnv(slips=[0.3, 0.9]).tasks()} == {""}
@@ -188,7 +199,9 @@ def test_slip_levels_are_stated_in_the_prompt_and_spread_difficulty():
     # and "ice 9" two cells away almost never does in 6 turns (P = 1 - 0.9^5 - 5 * 0.1 * 0.9^4 = 0.081)
     far = [t for t in by_slip[0.9] if abs(t.meta["goal"] - t.meta["start"]) == 2]
     assert all(_greedy_success(env, t, 6, 50) == 1.0 for t in by_slip[0.0])
-    assert statistics.fmean(_greedy_success(env, t, 6, 400, i) for i, t in enumerate(far)) == pytest.approx(0.081, abs=0.03)
+    assert statistics.fmean(_greedy_success(env, t, 6, 400, i) for i, t in enumerate(far)) == pytest.approx(
+        0.081, abs=0.03
+    )
     # and for the uniformly random policy the level orders the success rate of every (start, goal)
     rate = {t.task_id: env.uniform_action_success(t, 6) for t in env.tasks()}
     for t in by_slip[0.0]:
@@ -206,6 +219,7 @@ def test_min_distance_and_slip_in_prompt_are_validated():
     with pytest.raises(ValueError, match="min_distance"):
         SyntheticToolsEnv(min_distance=3, max_distance=2)
     from trace_mega.config import EnvConfig  # typed options: unknown keys are errors
+
     EnvConfig(options={"slips": [0.0, 0.9], "slip_in_prompt": "level", "min_distance": 1}).validate()
     with pytest.raises(ValueError, match="slip_level"):
         EnvConfig(options={"slip_level": True}).validate()
@@ -227,8 +241,10 @@ def test_walls_add_unsolvable_dry_copies_stated_in_the_prompt():
     assert all(_greedy_success(env, t, 6, 20) == 1.0 for t in dry)
     assert len({t.messages[1]["content"] for t in env.tasks()}) == len(env.tasks())
     # min_distance 0 adds no walled goal = start task (it would be solved at once)
-    assert not any(t.meta["wall"] and t.meta["start"] == t.meta["goal"]
-                   for t in SyntheticToolsEnv(width=4, min_distance=0, max_distance=1, slips=[0.0], walls=True).tasks())
+    assert not any(
+        t.meta["wall"] and t.meta["start"] == t.meta["goal"]
+        for t in SyntheticToolsEnv(width=4, min_distance=0, max_distance=1, slips=[0.0], walls=True).tasks()
+    )
 
 
 def test_kind_names_the_level_the_prompt_states():

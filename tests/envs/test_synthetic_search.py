@@ -1,4 +1,5 @@
 """synthetic_search: the hidden store, observations, rewards, tokens, and the ground-truth turn labels."""
+
 import random
 
 import pytest
@@ -7,8 +8,17 @@ from trace_mega.config import RolloutConfig
 from trace_mega.envs import ENVS, build_env
 from trace_mega.envs.base import ToolCall
 from trace_mega.envs.react import ReactScaffold, parse_turn
-from trace_mega.envs.synthetic_search import (ANSWER_CLOSE, ANSWER_OPEN, ANSWER_TEMPLATE, KEYS, SyntheticSearchEnv,
-                                              answer_text, lookup_token, make_store, useful_lookups)
+from trace_mega.envs.synthetic_search import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    ANSWER_TEMPLATE,
+    KEYS,
+    SyntheticSearchEnv,
+    answer_text,
+    lookup_token,
+    make_store,
+    useful_lookups,
+)
 from trace_mega.learner.probe import answer_token_ids
 from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.engines.base import Completion, Engine
@@ -47,8 +57,12 @@ def test_registry_and_options():
     env = build_env("synthetic_search", num_tasks=5, num_test_tasks=3, hops=[2], seed=1)
     assert len(env.tasks()) == 5 and len(env.tasks("test")) == 3
     assert all(t.meta["hops"] == 2 for t in env.tasks())
-    for bad, match in (({"num_tasks": 0}, "num_tasks"), ({"hops": [0]}, "hops"), ({"hops": []}, "hops"),
-                       ({"pointer_prob": 2.0}, "pointer_prob")):
+    for bad, match in (
+        ({"num_tasks": 0}, "num_tasks"),
+        ({"hops": [0]}, "hops"),
+        ({"hops": []}, "hops"),
+        ({"pointer_prob": 2.0}, "pointer_prob"),
+    ):
         with pytest.raises(ValueError, match=match):
             build_env("synthetic_search", **bad)
     with pytest.raises(ValueError, match="split"):
@@ -137,8 +151,14 @@ def test_turn_labels_on_agent_loop_trees():
     k0, k1 = task.meta["chain"]
     other = next(k for k in KEYS if k not in task.meta["chain"])
     tok = env.tokenizer
-    turns = [[lookup_token(other)], [lookup_token(k0)], [lookup_token(k0)], ["7"], [lookup_token(k1)],
-             [ANSWER_OPEN, task.gold_answer, ANSWER_CLOSE]]
+    turns = [
+        [lookup_token(other)],
+        [lookup_token(k0)],
+        [lookup_token(k0)],
+        ["7"],
+        [lookup_token(k1)],
+        [ANSWER_OPEN, task.gold_answer, ANSWER_CLOSE],
+    ]
     cfg = RolloutConfig(max_turns=8, max_new_tokens_per_turn=3, max_total_tokens=512)
     with AgentLoop(env, TurnScriptEngine(tok, turns), tok, cfg) as loop:
         (tree,) = loop.rollout([task], [1])

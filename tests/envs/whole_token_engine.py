@@ -4,6 +4,7 @@ The tiny tokenizer registers each whole tool call / answer as one token, so a
 script is a list of such tokens: after i tool observations in the prefix the
 engine emits the i-th (the last one repeats).
 """
+
 from trace_mega.rollout.engines.base import Completion, Engine
 
 
@@ -16,8 +17,9 @@ class WholeTokenEngine(Engine):
         out = []
         for prefix in prefixes:
             seen = self.tok.convert_ids_to_tokens(prefix).count("<tool_response>")
-            out.append(Completion(token_ids=[self.ids[min(seen, len(self.ids) - 1)]], logprobs=[-0.1],
-                                  finish_reason="stop"))
+            out.append(
+                Completion(token_ids=[self.ids[min(seen, len(self.ids) - 1)]], logprobs=[-0.1], finish_reason="stop")
+            )
         return out
 
     def update_weights(self, named_tensors):

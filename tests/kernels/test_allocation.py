@@ -1,10 +1,11 @@
 """kernels.allocation: the tensor-program hot paths and the Triton bisection kernel (interpreter on CPU)."""
+
 import numpy as np
 import pytest
 import torch
 
-from trace_mega.kernels.allocation_ref import prefix_objective, prefixes_dp
 from trace_mega.kernels.allocation import dense_layout, root_relaxed_counts, root_unit_gains, segmented_threshold
+from trace_mega.kernels.allocation_ref import prefix_objective, prefixes_dp
 
 
 def test_root_unit_gains_are_the_marginals():
@@ -65,8 +66,13 @@ def test_triton_kernel_matches_tensor_program(seed, P, G):
 
 def test_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
-        segmented_threshold(torch.rand(3), torch.zeros(3, dtype=torch.long), torch.tensor([2]),
-                            torch.tensor([2, 2, 2]), backend="cuda-magic")
+        segmented_threshold(
+            torch.rand(3),
+            torch.zeros(3, dtype=torch.long),
+            torch.tensor([2]),
+            torch.tensor([2, 2, 2]),
+            backend="cuda-magic",
+        )
 
 
 @pytest.mark.gpu
@@ -81,6 +87,7 @@ def test_gpu_matches_cpu_and_triton():
     assert torch.equal(segmented_threshold(*dev).cpu(), cpu)
     assert torch.equal(segmented_threshold(*dev, backend="triton").cpu(), cpu)
     from trace_mega.allocation import allocate_prefixes, allocate_roots
+
     vr = torch.tensor(rng.random(1000))
     assert torch.equal(allocate_roots(vr.cuda(), 3001, 8).cpu(), allocate_roots(vr, 3001, 8))
     # The hot paths with check=False (and a known group bound) never synchronise with the host.

@@ -1,4 +1,5 @@
 """Fused boundary scoring (gather + value head + sigmoid) vs the PyTorch reference."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,7 +18,7 @@ GTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def _problem(T, H, P, dtype, seed=0, wshape=None, repeats=True):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(T, H, generator=g).to(dtype)
-    w = (torch.randn(*(wshape or (H,)), generator=g) / H ** 0.5).to(dtype)
+    w = (torch.randn(*(wshape or (H,)), generator=g) / H**0.5).to(dtype)
     b = torch.tensor(0.25).to(dtype)
     pos = torch.randint(0, T, (P,), generator=g)
     if repeats and P >= 6:
@@ -48,8 +49,7 @@ def test_matches_reference(backend, dtype, wshape):
     g = torch.Generator().manual_seed(2)
     g_s, g_l = torch.randn(P, generator=g), torch.randn(P, generator=g)
     s, l, dh, dw, db = _run(boundary_scores, h, w, b, pos, g_s, g_l, backend=backend)
-    sr, lr, dhr, dwr, dbr = _run(boundary_scores_reference, h.float(), w.float(), b.float(),
-                                 pos, g_s, g_l)
+    sr, lr, dhr, dwr, dbr = _run(boundary_scores_reference, h.float(), w.float(), b.float(), pos, g_s, g_l)
     assert s.dtype == l.dtype == torch.float32 and s.shape == (P,)
     torch.testing.assert_close(l, lr, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, sr, atol=1e-6, rtol=1e-5)
@@ -96,8 +96,7 @@ def test_strided_hidden_and_partial_grads(backend):
 
 
 @settings(max_examples=15, deadline=None)
-@given(T=st.integers(1, 40), H=st.integers(1, 300), P=st.integers(1, 300),
-       seed=st.integers(0, 10_000))
+@given(T=st.integers(1, 40), H=st.integers(1, 300), P=st.integers(1, 300), seed=st.integers(0, 10_000))
 def test_triton_matches_reference_property(T, H, P, seed):
     """Random shapes, heavy repetition (P up to ~7x T): kernel == reference, all grads."""
     h, w, b, pos = _problem(T, H, P, torch.float32, seed=seed)
@@ -118,8 +117,7 @@ def test_triton_matches_reference_property(T, H, P, seed):
 def test_empty_positions(backend):
     h = torch.randn(5, 8, requires_grad=True)
     w = torch.randn(8, requires_grad=True)
-    s = boundary_scores(h, torch.empty(0, dtype=torch.long), w, torch.tensor(0.0),
-                        backend=backend)
+    s = boundary_scores(h, torch.empty(0, dtype=torch.long), w, torch.tensor(0.0), backend=backend)
     assert s.shape == (0,)
     s.sum().backward()
     assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
@@ -151,8 +149,7 @@ def test_validation_and_dispatch():
     expect = "triton" if bsm._INTERPRET else "torch"
     assert bsm._pick_backend(h, pos, "auto") == expect
     if bsm._INTERPRET:
-        assert bsm._pick_backend(h, torch.zeros(bsm.INTERPRET_MAX_P + 1, dtype=torch.long),
-                                 "auto") == "torch"
+        assert bsm._pick_backend(h, torch.zeros(bsm.INTERPRET_MAX_P + 1, dtype=torch.long), "auto") == "torch"
 
 
 @pytest.mark.gpu
@@ -162,8 +159,7 @@ def test_gpu_matches_reference(dtype):
     h, w, b, pos = (t.cuda() for t in _problem(T, H, P, dtype))
     g_s, g_l = torch.randn(P, device="cuda"), torch.randn(P, device="cuda")
     s, l, dh, dw, db = _run(boundary_scores, h, w, b, pos, g_s, g_l)
-    sr, lr, dhr, dwr, dbr = _run(boundary_scores_reference, h.float(), w.float(), b.float(),
-                                 pos, g_s, g_l)
+    sr, lr, dhr, dwr, dbr = _run(boundary_scores_reference, h.float(), w.float(), b.float(), pos, g_s, g_l)
     torch.testing.assert_close(l, lr, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s, sr, atol=1e-5, rtol=1e-4)
     for a, r in ((dh, dhr), (dw, dwr), (db, dbr)):
@@ -177,9 +173,10 @@ def test_gpu_kernels_compile_for_sm90():
     import sys
 
     env = env_without_interpreter()
-    code = ("import trace_mega.kernels.boundary_scoring as m; ks = m.aot_compile_check(); "
-            "assert all(k.asm['cubin'] for k in ks.values()); print(len(ks))")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+    code = (
+        "import trace_mega.kernels.boundary_scoring as m; ks = m.aot_compile_check(); "
+        "assert all(k.asm['cubin'] for k in ks.values()); print(len(ks))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     assert int(res.stdout.strip().splitlines()[-1]) == 4

@@ -3,6 +3,7 @@
 The Triton path runs under TRITON_INTERPRET=1 on CPU (set by tests/conftest.py), so
 shapes are small and blocks large; the same tests run natively on a GPU via `-m gpu`.
 """
+
 import os
 import socket
 
@@ -67,8 +68,7 @@ def test_matches_reference(backend, dtype, with_entropy, temperature):
     g_lp, g_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
     kw = dict(with_entropy=with_entropy, temperature=temperature)
     chunk = {"triton": 256, "triton_dz": 384, "torch": 300}[backend]  # several, uneven chunks
-    lp, ent, dh, dw = _run(token_logprobs, h, w, y, g_lp, g_ent, backend=backend,
-                           chunk_size=chunk, **kw)
+    lp, ent, dh, dw = _run(token_logprobs, h, w, y, g_lp, g_ent, backend=backend, chunk_size=chunk, **kw)
     lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, **kw)
     fa, gr = TOL[dtype]
     assert lp.dtype == torch.float32 and lp.shape == (T,)
@@ -98,20 +98,21 @@ def test_ignore_index(backend):
     ign = torch.tensor([0, 5, 19])
     y[ign] = torch.tensor([-100, -1, -7])
     g_lp, g_ent = torch.ones(T), torch.ones(T)
-    lp, ent, dh, dw = _run(token_logprobs, h, w, y, g_lp, g_ent, backend=backend,
-                           with_entropy=True)
+    lp, ent, dh, dw = _run(token_logprobs, h, w, y, g_lp, g_ent, backend=backend, with_entropy=True)
     assert torch.all(lp[ign] == 0) and torch.all(ent[ign] == 0)
     assert torch.all(dh[ign] == 0)
     keep = torch.ones(T, dtype=torch.bool)
     keep[ign] = False
     assert torch.all(dh[keep].abs().sum(1) > 0)
     # the weight gradient equals the one from the non-ignored rows alone
-    _, _, _, dw_keep = _run(token_logprobs, h[keep], w, y[keep], g_lp[keep], g_ent[keep],
-                            backend=backend, with_entropy=True)
+    _, _, _, dw_keep = _run(
+        token_logprobs, h[keep], w, y[keep], g_lp[keep], g_ent[keep], backend=backend, with_entropy=True
+    )
     torch.testing.assert_close(dw, dw_keep, atol=1e-5, rtol=1e-5)
     # everything ignored: zeros everywhere, no NaN
-    lp, ent, dh, dw = _run(token_logprobs, h, w, torch.full((T,), -100), g_lp, g_ent,
-                           backend=backend, with_entropy=True)
+    lp, ent, dh, dw = _run(
+        token_logprobs, h, w, torch.full((T,), -100), g_lp, g_ent, backend=backend, with_entropy=True
+    )
     assert torch.all(lp == 0) and torch.all(ent == 0) and torch.all(dh == 0) and torch.all(dw == 0)
 
 
@@ -151,8 +152,7 @@ def test_strided_inputs_and_partial_grads(backend):
 def test_extreme_logits_are_stable(backend):
     T, V, H = 16, 400, 16
     h, w, y = _problem(T, V, H, torch.float32, scale=40.0, ignore=())  # |logits| ~ 1e2-1e3
-    lp, ent, dh, dw = _run(token_logprobs, h, w, y, torch.ones(T), torch.ones(T),
-                           backend=backend, with_entropy=True)
+    lp, ent, dh, dw = _run(token_logprobs, h, w, y, torch.ones(T), torch.ones(T), backend=backend, with_entropy=True)
     lr, er, dhr, dwr = _ref(h, w, y, torch.ones(T), torch.ones(T), with_entropy=True)
     for t in (lp, ent, dh, dw):
         assert torch.isfinite(t).all()
@@ -162,14 +162,21 @@ def test_extreme_logits_are_stable(backend):
 
 
 @settings(max_examples=25, deadline=None)
-@given(T=st.integers(1, 24), V=st.integers(1, 200), H=st.integers(1, 20),
-       chunk=st.integers(1, 64), temp=st.floats(0.25, 4.0), seed=st.integers(0, 1000))
+@given(
+    T=st.integers(1, 24),
+    V=st.integers(1, 200),
+    H=st.integers(1, 20),
+    chunk=st.integers(1, 64),
+    temp=st.floats(0.25, 4.0),
+    seed=st.integers(0, 1000),
+)
 def test_torch_path_property(T, V, H, chunk, temp, seed):
     """Chunked torch path == reference for arbitrary shapes and chunkings."""
     h, w, y = _problem(T, V, H, torch.float32, seed=seed, ignore=(seed % 5,))
     g_lp, g_ent = torch.randn(T), torch.randn(T)
-    got = _run(token_logprobs, h, w, y, g_lp, g_ent, backend="torch", chunk_size=chunk,
-               with_entropy=True, temperature=temp)
+    got = _run(
+        token_logprobs, h, w, y, g_lp, g_ent, backend="torch", chunk_size=chunk, with_entropy=True, temperature=temp
+    )
     ref = _ref(h, w, y, g_lp, g_ent, with_entropy=True, temperature=temp)
     for a, b in zip(got[:2], ref[:2]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
@@ -246,21 +253,30 @@ def _tp_worker(rank, world, port, split, backend, results):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         T, V, H = 37, 1000, 48
         h, w, y = _problem(T, V, H, torch.float32)
-        g_lp, g_ent = torch.randn(T, generator=torch.Generator().manual_seed(5)), \
-            torch.randn(T, generator=torch.Generator().manual_seed(6))
+        g_lp, g_ent = (
+            torch.randn(T, generator=torch.Generator().manual_seed(5)),
+            torch.randn(T, generator=torch.Generator().manual_seed(6)),
+        )
         lo, hi = (0, split) if rank == 0 else (split, V)
         out = {}
         for reduce in (True, False):
             hh = h.clone().requires_grad_()
             ws = w[lo:hi].clone().requires_grad_()
-            lp, ent = token_logprobs(hh, ws, y, tp_group=dist.group.WORLD, vocab_start=lo,
-                                     with_entropy=True, temperature=0.9, backend=backend,
-                                     reduce_grad_hidden=reduce)
+            lp, ent = token_logprobs(
+                hh,
+                ws,
+                y,
+                tp_group=dist.group.WORLD,
+                vocab_start=lo,
+                with_entropy=True,
+                temperature=0.9,
+                backend=backend,
+                reduce_grad_hidden=reduce,
+            )
             ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
             out[reduce] = (lp.detach(), ent.detach(), hh.grad.clone(), ws.grad.clone())
         results[rank] = {"out": out, "lo": lo, "hi": hi}
@@ -277,13 +293,16 @@ def test_vocab_parallel_two_gloo_ranks(backend):
     with ctx.Manager() as manager:
         results = manager.dict()
         # uneven split: 487 rows on rank 0, 513 on rank 1 (not a block multiple either)
-        mp.start_processes(_tp_worker, args=(2, _free_port(), 487, backend, results),
-                           nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(
+            _tp_worker, args=(2, _free_port(), 487, backend, results), nprocs=2, join=True, start_method="spawn"
+        )
         results = dict(results)
     T, V, H = 37, 1000, 48
     h, w, y = _problem(T, V, H, torch.float32)
-    g_lp, g_ent = torch.randn(T, generator=torch.Generator().manual_seed(5)), \
-        torch.randn(T, generator=torch.Generator().manual_seed(6))
+    g_lp, g_ent = (
+        torch.randn(T, generator=torch.Generator().manual_seed(5)),
+        torch.randn(T, generator=torch.Generator().manual_seed(6)),
+    )
     lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, with_entropy=True, temperature=0.9)
     partial_dh = []
     for rank in (0, 1):
@@ -292,7 +311,7 @@ def test_vocab_parallel_two_gloo_ranks(backend):
         torch.testing.assert_close(lp, lr, atol=1e-4, rtol=0)  # every rank: full outputs
         torch.testing.assert_close(ent, er, atol=1e-4, rtol=0)
         _close_grad(dh, dhr, 1e-4)  # all-reduced over the group
-        _close_grad(dws, dwr[r["lo"]:r["hi"]], 1e-4)  # the local shard's rows
+        _close_grad(dws, dwr[r["lo"] : r["hi"]], 1e-4)  # the local shard's rows
         lp2, _, dh2, dws2 = r["out"][False]
         torch.testing.assert_close(lp2, lp)
         torch.testing.assert_close(dws2, dws)
@@ -312,8 +331,7 @@ def test_gpu_matches_reference(dtype, backend):
     T, V, H = 1031, 32003, 512
     h, w, y = (t.cuda() for t in _problem(T, V, H, dtype, scale=0.05))
     g_lp, g_ent = torch.randn(T, device="cuda"), torch.randn(T, device="cuda")
-    lp, ent, dh, dw = _run(token_logprobs, h, w, y, g_lp, g_ent, with_entropy=True,
-                           temperature=0.8, backend=backend)
+    lp, ent, dh, dw = _run(token_logprobs, h, w, y, g_lp, g_ent, with_entropy=True, temperature=0.8, backend=backend)
     lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, with_entropy=True, temperature=0.8)
     atol = 2e-3 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(lp, lr, atol=atol, rtol=0)
@@ -348,10 +366,11 @@ def _aot_compile(module):
     import sys
 
     env = env_without_interpreter()
-    code = (f"import {module} as m; ks = m.aot_compile_check(); "
-            "assert all(k.asm['cubin'] for k in ks.values()); print(len(ks))")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
+    code = (
+        f"import {module} as m; ks = m.aot_compile_check(); "
+        "assert all(k.asm['cubin'] for k in ks.values()); print(len(ks))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     return int(res.stdout.strip().splitlines()[-1])
 
@@ -386,8 +405,7 @@ def test_grad_of_one_input_only(backend, which):
 def test_empty_stream(backend):
     h = torch.randn(0, 8, requires_grad=True)
     w = torch.randn(50, 8, requires_grad=True)
-    lp, ent = token_logprobs(h, w, torch.empty(0, dtype=torch.long), backend=backend,
-                             with_entropy=True)
+    lp, ent = token_logprobs(h, w, torch.empty(0, dtype=torch.long), backend=backend, with_entropy=True)
     assert lp.shape == ent.shape == (0,)
     (lp.sum() + ent.sum()).backward()
     assert h.grad.shape == (0, 8) and torch.all(w.grad == 0)
@@ -403,8 +421,7 @@ def test_padded_vocab_rows_are_excluded_and_get_no_gradient(backend):
     g_lp, g_ent = torch.randn(T), torch.randn(T)
     w_pad = torch.cat([w, torch.zeros(1, H)])  # the TP padding row (zeros: logit 0)
     lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, with_entropy=True)
-    lp, ent, dh, dw = _run(token_logprobs, h, w_pad, y, g_lp, g_ent, with_entropy=True, backend=backend,
-                           vocab_size=V)
+    lp, ent, dh, dw = _run(token_logprobs, h, w_pad, y, g_lp, g_ent, with_entropy=True, backend=backend, vocab_size=V)
     torch.testing.assert_close(lp, lr, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, er, atol=1e-5, rtol=0)
     _close_grad(dh, dhr, 1e-4)
@@ -424,14 +441,24 @@ def _padded_tp_worker(rank, world, port, backend, results):
     try:
         T, V, H = 29, 97, 32
         h, w, y = _problem(T, V, H, torch.float32)
-        g_lp, g_ent = torch.randn(T, generator=torch.Generator().manual_seed(5)), \
-            torch.randn(T, generator=torch.Generator().manual_seed(6))
+        g_lp, g_ent = (
+            torch.randn(T, generator=torch.Generator().manual_seed(5)),
+            torch.randn(T, generator=torch.Generator().manual_seed(6)),
+        )
         per = -(-V // world)  # 49 rows per rank: rank 1 holds 48 real rows and 1 padding row
         w_pad = torch.cat([w, torch.zeros(per * world - V, H)])
-        ws = w_pad[rank * per:(rank + 1) * per].clone().requires_grad_()
+        ws = w_pad[rank * per : (rank + 1) * per].clone().requires_grad_()
         hh = h.clone().requires_grad_()
-        lp, ent = token_logprobs(hh, ws, y, tp_group=dist.group.WORLD, vocab_start=rank * per,
-                                 with_entropy=True, backend=backend, vocab_size=V)
+        lp, ent = token_logprobs(
+            hh,
+            ws,
+            y,
+            tp_group=dist.group.WORLD,
+            vocab_start=rank * per,
+            with_entropy=True,
+            backend=backend,
+            vocab_size=V,
+        )
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         results[rank] = (lp.detach(), ent.detach(), hh.grad.clone(), ws.grad.clone())
     finally:
@@ -446,13 +473,16 @@ def test_tp2_odd_vocab_matches_the_unpadded_reference(backend):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_padded_tp_worker, args=(2, _free_port(), backend, results), nprocs=2, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _padded_tp_worker, args=(2, _free_port(), backend, results), nprocs=2, join=True, start_method="spawn"
+        )
         results = dict(results)
     T, V, H = 29, 97, 32
     h, w, y = _problem(T, V, H, torch.float32)
-    g_lp, g_ent = torch.randn(T, generator=torch.Generator().manual_seed(5)), \
-        torch.randn(T, generator=torch.Generator().manual_seed(6))
+    g_lp, g_ent = (
+        torch.randn(T, generator=torch.Generator().manual_seed(5)),
+        torch.randn(T, generator=torch.Generator().manual_seed(6)),
+    )
     lr, er, dhr, dwr = _ref(h, w, y, g_lp, g_ent, with_entropy=True)
     for rank in (0, 1):
         lp, ent, dh, dws = results[rank]

@@ -5,6 +5,7 @@ kernel module is imported).  Interpreter cost grows with program count, so
 shapes stay small and most cases use 32-wide tiles to get several tiles per
 axis (odd T exercises the ragged last tile).
 """
+
 from __future__ import annotations
 
 import random
@@ -62,8 +63,13 @@ def _tokens(layouts, pad_to: int | None = None, interior_pad: int = 0):
     rows = [tree_layout(p, l) for p, l in layouts]
     if interior_pad:
         # padding between two halves of the stream (e.g. alignment padding between trees)
-        rows = [(n[: len(n) // 2] + [-1] * interior_pad + n[len(n) // 2:],
-                 e[: len(e) // 2] + [-7] * interior_pad + e[len(e) // 2:]) for n, e in rows]
+        rows = [
+            (
+                n[: len(n) // 2] + [-1] * interior_pad + n[len(n) // 2 :],
+                e[: len(e) // 2] + [-7] * interior_pad + e[len(e) // 2 :],
+            )
+            for n, e in rows
+        ]
     T = max(len(n) for n, _ in rows) if pad_to is None else pad_to
     tn = torch.full((len(rows), T), -1, dtype=torch.int64)
     te = torch.full((len(rows), T), -1, dtype=torch.int64)
@@ -219,8 +225,9 @@ def test_half_precision_forward_and_backward(dtype, case):
     _assert_close(got[:1], want[:1], atol=atol, rtol=rtol)
     # gradients are sums over many keys/queries: scale the tolerance with their magnitude
     for name, a, b in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-        torch.testing.assert_close(a.float(), b, atol=atol * max(1.0, b.abs().max().item()), rtol=rtol,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            a.float(), b, atol=atol * max(1.0, b.abs().max().item()), rtol=rtol, msg=lambda m: f"{name}: {m}"
+        )
 
 
 # ----------------------------------------------------------------- flex peer
@@ -284,7 +291,7 @@ def _dense_tiles(tn, te, bm, bn):
     full = torch.zeros(B, nq, nk, dtype=torch.bool)
     for a in range(nq):
         for c in range(nk):
-            blk = m[:, a * bm:(a + 1) * bm, c * bn:(c + 1) * bn].flatten(1)
+            blk = m[:, a * bm : (a + 1) * bm, c * bn : (c + 1) * bn].flatten(1)
             need[:, a, c] = blk.any(1)
             full[:, a, c] = blk.all(1) & (blk.shape[1] == bm * bn)
     return need, full
@@ -315,8 +322,10 @@ def test_tile_plan_lists_exactly_the_visited_tiles(by_key):
     if by_key:
         vis, unm = vis.transpose(1, 2), unm.transpose(1, 2)
     assert cnt.dtype == idx.dtype == part.dtype == torch.int32 and idx.shape == vis.shape
-    assert int(cnt.sum()) == st["visited"] and int((part == 0).logical_and(
-        torch.arange(idx.shape[-1]) < cnt[..., None]).sum()) == st["unmasked"]
+    assert (
+        int(cnt.sum()) == st["visited"]
+        and int((part == 0).logical_and(torch.arange(idx.shape[-1]) < cnt[..., None]).sum()) == st["unmasked"]
+    )
     for b in range(vis.shape[0]):
         for r in range(vis.shape[1]):
             n = int(cnt[b, r])

@@ -1,8 +1,11 @@
 """Advantage estimators (advantages.py) on hand-computed rollout trees."""
+
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trace_mega.config import AdvantageConfig, CreditConfig
 from trace_mega.learner.advantages import ADVANTAGES, compute_advantages, leaf_mean
@@ -90,17 +93,19 @@ def _tree_a():
 
 def _tree_b():
     # root -> a, b, c ; a -> a1 (1), a2 (1), a3 (0) ; b -> b1 -> {b1x (0), b1y (1)} ; c (0)
-    return _tree([
-        (0, 2, "tool", None),   # 1 a
-        (1, 1, "final", 1),     # 2 a1
-        (1, 1, "final", 1),     # 3 a2
-        (1, 1, "final", 0),     # 4 a3
-        (0, 2, "tool", None),   # 5 b
-        (5, 2, "tool", None),   # 6 b1
-        (6, 1, "final", 0),     # 7 b1x
-        (6, 1, "final", 1),     # 8 b1y
-        (0, 2, "final", 0),     # 9 c
-    ])
+    return _tree(
+        [
+            (0, 2, "tool", None),  # 1 a
+            (1, 1, "final", 1),  # 2 a1
+            (1, 1, "final", 1),  # 3 a2
+            (1, 1, "final", 0),  # 4 a3
+            (0, 2, "tool", None),  # 5 b
+            (5, 2, "tool", None),  # 6 b1
+            (6, 1, "final", 0),  # 7 b1x
+            (6, 1, "final", 1),  # 8 b1y
+            (0, 2, "final", 0),  # 9 c
+        ]
+    )
 
 
 def test_tree_and_grpo_on_tree_a_by_hand():
@@ -115,8 +120,18 @@ def test_tree_and_grpo_on_tree_a_by_hand():
 def test_tree_on_tree_b_by_hand():
     p, t = _node_adv("tree", [_tree_b()])
     # root children V = (2/3, 1/2, 0), mean 7/18; b has a single child (no group); b1 baseline 1/2
-    expected = {0: 0, 1: 5 / 18, 2: 11 / 18, 3: 11 / 18, 4: -7 / 18, 5: 1 / 9, 6: 1 / 9,
-                7: -7 / 18, 8: 11 / 18, 9: -7 / 18}
+    expected = {
+        0: 0,
+        1: 5 / 18,
+        2: 11 / 18,
+        3: 11 / 18,
+        4: -7 / 18,
+        5: 1 / 9,
+        6: 1 / 9,
+        7: -7 / 18,
+        8: 11 / 18,
+        9: -7 / 18,
+    }
     assert _by_local(p, t.node_advantage) == pytest.approx(expected)
     p, t = _node_adv("tree", [_tree_b()], normalize_std=True)
     s_root = math.sqrt(((5 / 18) ** 2 + (2 / 18) ** 2 + (7 / 18) ** 2) / 2)
@@ -164,8 +179,16 @@ def test_leaf_mean():
 
 def test_gigpo_anchor_states_by_hand():
     # root -> a (obs X) -> a1 (1); b (obs X) -> b1 (0); c (obs Y) -> c1 (1)
-    t = _tree([(0, 2, "tool", None, "X"), (1, 2, "final", 1), (0, 2, "tool", None, "X"), (3, 2, "final", 0),
-               (0, 2, "tool", None, "Y"), (5, 2, "final", 1)])
+    t = _tree(
+        [
+            (0, 2, "tool", None, "X"),
+            (1, 2, "final", 1),
+            (0, 2, "tool", None, "X"),
+            (3, 2, "final", 0),
+            (0, 2, "tool", None, "Y"),
+            (5, 2, "final", 1),
+        ]
+    )
     p, g = _node_adv("gigpo", [t], gigpo_gamma=0.5, gigpo_step_weight=1.0)
     # episode: 1/3, -2/3, 1/3; first turns (anchor: prompt) returns .5, 0, .5 -> 1/6, -1/3, 1/6;
     # a1 and b1 act from the same state X: returns 1, 0 -> +-1/2; c1 alone (state Y) -> 0.
@@ -178,8 +201,7 @@ def test_gigpo_anchor_states_by_hand():
 
 def _credit_tree():
     # root -> a (tool) -> {a1 (final, 1), a2 (tool) -> a2x (final, 0)} ; root -> b (final, 0)
-    t = _tree([(0, 2, "tool", None), (1, 2, "final", 1), (1, 3, "tool", None), (3, 2, "final", 0),
-               (0, 2, "final", 0)])
+    t = _tree([(0, 2, "tool", None), (1, 2, "final", 1), (1, 3, "tool", None), (3, 2, "final", 0), (0, 2, "final", 0)])
     t.gold_answer = "x"
     return t
 
@@ -195,15 +217,25 @@ def test_trace_credit_composes_with_tree_by_hand():
     R = node_turn_credit(p, ell, 1.0, 0.5, 2)
     ra = math.log(4 / 3) + 0.25 * math.log(3 / 2)
     assert R.tolist() == pytest.approx([0, ra, 0, math.log(3 / 2), 0, 0])
-    anchored = compute_advantages(p, [t], adv_cfg, CreditConfig(enabled=True, epsilon=1.0, gamma_td=0.5,
-                                                                lookahead_turns=2, beta=2.0, mixing="anchored"), ell)
+    anchored = compute_advantages(
+        p,
+        [t],
+        adv_cfg,
+        CreditConfig(enabled=True, epsilon=1.0, gamma_td=0.5, lookahead_turns=2, beta=2.0, mixing="anchored"),
+        ell,
+    )
     # internal turns: beta * R only; leaves (final turns): beta * R + A_out
-    assert anchored.node_advantage.tolist() == pytest.approx(
-        [0, 2 * ra, 0.75, 2 * math.log(3 / 2), -0.25, -0.25])
-    broadcast = compute_advantages(p, [t], adv_cfg, CreditConfig(enabled=True, epsilon=1.0, gamma_td=0.5,
-                                                                 lookahead_turns=2, mixing="broadcast"), ell)
+    assert anchored.node_advantage.tolist() == pytest.approx([0, 2 * ra, 0.75, 2 * math.log(3 / 2), -0.25, -0.25])
+    broadcast = compute_advantages(
+        p,
+        [t],
+        adv_cfg,
+        CreditConfig(enabled=True, epsilon=1.0, gamma_td=0.5, lookahead_turns=2, mixing="broadcast"),
+        ell,
+    )
     assert broadcast.node_advantage.tolist() == pytest.approx(
-        [0, 0.25 + ra, 0.75, -0.25 + math.log(3 / 2), -0.25, -0.25])
+        [0, 0.25 + ra, 0.75, -0.25 + math.log(3 / 2), -0.25, -0.25]
+    )
     assert p.advantages is None  # returned, not stored in the layout
 
 
@@ -214,10 +246,26 @@ def _flat_probe(p):
     return torch.where(is_leaf, torch.tensor(float("nan")), torch.tensor(-2.0))
 
 
-@pytest.mark.parametrize("trees", [lambda: [_tree_b(), _tree_a()], lambda: [_flat([1, 0, 0, 1], "a"), _flat([1, 0])],
-                                   lambda: [_tree([(0, 2, "tool", None), (1, 2, "final", 1), (0, 2, "tool", None),
-                                                   (3, 2, "final", 0), (0, 2, "tool", None), (5, 2, "final", 0)])]],
-                         ids=["two-level trees", "flat groups", "flat multi-turn group"])
+@pytest.mark.parametrize(
+    "trees",
+    [
+        lambda: [_tree_b(), _tree_a()],
+        lambda: [_flat([1, 0, 0, 1], "a"), _flat([1, 0])],
+        lambda: [
+            _tree(
+                [
+                    (0, 2, "tool", None),
+                    (1, 2, "final", 1),
+                    (0, 2, "tool", None),
+                    (3, 2, "final", 0),
+                    (0, 2, "tool", None),
+                    (5, 2, "final", 0),
+                ]
+            )
+        ],
+    ],
+    ids=["two-level trees", "flat groups", "flat multi-turn group"],
+)
 def test_a_plus_c_default_keeps_every_branch_contrast_and_a_flat_probe_changes_nothing(trees):
     trees = trees()
     p = pack(trees)
@@ -234,7 +282,9 @@ def test_a_plus_c_default_keeps_every_branch_contrast_and_a_flat_probe_changes_n
         assert bool((off.node_advantage[internal] != 0).any())
     # grpo (flat GRPO group) composes the same way under broadcast; under auto it keeps the paper's rule
     g_off = ADVANTAGES.get("grpo")(p, trees, AdvantageConfig(name="grpo"))
-    g_on = compute_advantages(p, trees, AdvantageConfig(name="grpo"), CreditConfig(enabled=True, mixing="broadcast"), ell)
+    g_on = compute_advantages(
+        p, trees, AdvantageConfig(name="grpo"), CreditConfig(enabled=True, mixing="broadcast"), ell
+    )
     assert torch.equal(g_on.node_advantage, g_off.node_advantage)
 
 
@@ -244,8 +294,13 @@ def test_a_plus_c_adds_beta_times_turn_credit_to_the_tree_term():
     ell = torch.tensor([-3.0, -2.0, float("nan"), -1.0, float("nan"), float("nan")])
     tree_adv = ADVANTAGES.get("tree")(p, [t], AdvantageConfig(name="tree")).node_advantage
     R = node_turn_credit(p, ell, 1.0, 0.5, 2)
-    out = compute_advantages(p, [t], AdvantageConfig(name="tree"),
-                             CreditConfig(enabled=True, epsilon=1.0, gamma_td=0.5, lookahead_turns=2, beta=0.5), ell)
+    out = compute_advantages(
+        p,
+        [t],
+        AdvantageConfig(name="tree"),
+        CreditConfig(enabled=True, epsilon=1.0, gamma_td=0.5, lookahead_turns=2, beta=0.5),
+        ell,
+    )
     assert torch.allclose(out.node_advantage, tree_adv + 0.5 * R)
 
 
@@ -275,7 +330,6 @@ def test_trace_credit_configuration_errors():
 
 
 # --- properties on random trees ----------------------------------------------------------------
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @st.composite
@@ -288,8 +342,14 @@ def random_trees(draw, max_trees=3, max_nodes=9):
         spec = []
         for i, p in enumerate(parents, start=1):
             leaf = i not in has_child
-            spec.append((p, draw(st.integers(1, 3)), "final" if leaf else "tool",
-                         float(draw(st.integers(0, 1))) if leaf else None))
+            spec.append(
+                (
+                    p,
+                    draw(st.integers(1, 3)),
+                    "final" if leaf else "tool",
+                    float(draw(st.integers(0, 1))) if leaf else None,
+                )
+            )
         trees.append(_tree(spec, f"r{ti}"))
     return trees
 

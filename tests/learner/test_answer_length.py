@@ -1,4 +1,5 @@
 """Gold answers longer than `credit.max_answer_tokens` are refused (config, trainer start, probe), not scored."""
+
 import pytest
 
 from trace_mega.config import ConfigError, CreditConfig, TrainConfig, load_config
@@ -25,8 +26,11 @@ def test_config_field_and_validation():
 def test_probe_refuses_a_long_gold_answer_with_a_clear_message():
     tree = RolloutTree("q7", [1, 2, 3], gold_answer="a long and open answer")
     tree.add_path(0, [Node(0, [4, 5], [1, 1], [0.0, 0.0], kind="final")], 1.0)
-    with pytest.raises(ValueError, match=r"tree 'q7': gold answer 'a long and open answer' is 22 tokens, more than "
-                                         r"credit.max_answer_tokens = 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"tree 'q7': gold answer 'a long and open answer' is 22 tokens, more than "
+        r"credit.max_answer_tokens = 8",
+    ):
         reference_probe(_never_called, [tree], tokenize, "=", max_answer_tokens=8)
 
 

@@ -1,9 +1,10 @@
 """dist_checkpointing resume: DP=2 with the distributed optimizer, interrupted at step 2, resumes exactly."""
+
 import json
 
 import pytest
-
 from workers.common import save_tiny_hf, torchrun
+
 from trace_mega.learner.checkpoint import checkpoint_name, latest_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -3,11 +3,12 @@
 Qwen3 (dense), Qwen3-MoE, Qwen2 (QKV bias), Llama and a GeGLU Llama (hidden_act gelu), random init, fp32, on a plain
 batch and on a packed tree (checked against each root-to-leaf path run alone).
 """
+
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from workers.common import packed_tree, path_indices, save_tiny_hf, torchrun, tree_paths
+
 from trace_mega.learner.convert import HFCheckpoint
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,11 @@ def _run(root, dirs, tp, ep, tag):
     out = root / tag
     out.mkdir()
     models = [f"{k}={d}" for k, d in dirs.items()]
-    torchrun("parity_worker.py", tp, ["--tp", str(tp), "--ep", str(ep), "--inputs", str(root / "inputs.pt"), "--out", str(out), *models])
+    torchrun(
+        "parity_worker.py",
+        tp,
+        ["--tp", str(tp), "--ep", str(ep), "--inputs", str(root / "inputs.pt"), "--out", str(out), *models],
+    )
     return out
 
 

@@ -1,12 +1,19 @@
 """TRACE-C math (credit.py) on hand-computed trajectories and trees."""
+
 import math
 
 import pytest
 import torch
 
 from trace_mega.learner.credit import (
-    lookahead_returns, mix_turn_advantages, node_td_rewards, node_turn_credit, path_nodes,
-    state_values, td_rewards, trajectory_turn_credit,
+    lookahead_returns,
+    mix_turn_advantages,
+    node_td_rewards,
+    node_turn_credit,
+    path_nodes,
+    state_values,
+    td_rewards,
+    trajectory_turn_credit,
 )
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 

@@ -1,4 +1,5 @@
 """credit/auc: ROC-AUC (ties one half) and the per-class δ means, on hand-built cases and a hand tree."""
+
 import itertools
 import math
 

@@ -7,6 +7,7 @@ end; `trace-mega export` then rebuilds the policy at TP = EP = 1 from the checkp
 (megatron reshards it), and a TP = 2 worker computes the learner's log-probs of a packed
 tree at the same checkpoint.
 """
+
 import os
 import subprocess
 import sys
@@ -14,17 +15,27 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from workers.common import ROOT, free_port, torchrun
 
 pytestmark = pytest.mark.slow
-SMALL = ["allocation.prompts_per_step=8", "allocation.root_rollouts_per_step=12", "rollout.max_turns=4",
-         "telemetry.tensorboard=false", "telemetry.progress_bars=false"]
+SMALL = [
+    "allocation.prompts_per_step=8",
+    "allocation.root_rollouts_per_step=12",
+    "rollout.max_turns=4",
+    "telemetry.tensorboard=false",
+    "telemetry.progress_bars=false",
+]
 CASES = {
     "dense": [],
     # 39 tokens: padded to 40 at TP = 2; the export cuts the padding row off again.
-    "moe": ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.vocab_size=39",
-            "parallel.expert_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    "moe": [
+        "model.num_experts=4",
+        "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=32",
+        "model.vocab_size=39",
+        "parallel.expert_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+    ],
 }
 
 
@@ -35,10 +46,27 @@ def _env():
 
 
 def _cli(*args, nproc=1, timeout=300):
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
-    proc = subprocess.run([*launcher, "-m", "trace_mega.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+        ]
+    )
+    proc = subprocess.run(
+        [*launcher, "-m", "trace_mega.cli", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc
 
@@ -54,9 +82,20 @@ def _tensors(hf_dir):
 def exported(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     run, ck = tmp / "run", tmp / "ck"
-    _cli("train", "--config", "demo_cpu", *SMALL, "steps=1", "parallel.tensor_model_parallel_size=2",
-         f"telemetry.out_dir={run}", f"checkpoint.dir={ck}", "checkpoint.every_steps=1",
-         "checkpoint.export_hf_at_end=true", *CASES[request.param], nproc=2)
+    _cli(
+        "train",
+        "--config",
+        "demo_cpu",
+        *SMALL,
+        "steps=1",
+        "parallel.tensor_model_parallel_size=2",
+        f"telemetry.out_dir={run}",
+        f"checkpoint.dir={ck}",
+        "checkpoint.every_steps=1",
+        "checkpoint.export_hf_at_end=true",
+        *CASES[request.param],
+        nproc=2,
+    )
     _cli("export", "--run", str(run), "--out", str(tmp / "hf_cli"))  # finds the checkpoint through run/config.yaml
     torchrun("export_worker.py", 2, [str(ck), str(tmp / "learner.pt")])
     return request.param, tmp
@@ -66,8 +105,14 @@ def test_export_files_and_both_exports_agree(exported):
     kind, tmp = exported
     cli, end = tmp / "hf_cli", tmp / "run" / "hf"
     for d in (cli, end):
-        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "model.safetensors.index.json", "chat_template.jinja"):
+        for name in (
+            "config.json",
+            "generation_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "model.safetensors.index.json",
+            "chat_template.jinja",
+        ):
             assert (d / name).exists(), (d, name)
     a, b = _tensors(cli), _tensors(end)
     assert sorted(a) == sorted(b)

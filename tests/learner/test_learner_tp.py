@@ -4,6 +4,7 @@ Each run is a real torchrun/gloo job on the same HF checkpoint (a tiny random
 Qwen3 made here). A gradient counted once per TP rank (e.g. the hidden-state
 gradient summed twice under sequence parallelism) shows up as a larger norm.
 """
+
 import json
 import subprocess
 import sys
@@ -21,9 +22,17 @@ def _make_hf(tmp_path_factory, vocab):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                      tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp(f"qwen3_v{vocab}")
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     return path
@@ -39,8 +48,20 @@ def _run(hf_dir: Path, tmp_path: Path, tp: int, sp: bool) -> dict:
 
     out = tmp_path / f"tp{tp}_sp{int(sp)}.json"
     env = env_without_interpreter() | {"OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-port",
-           str(free_port()), str(WORKER), str(hf_dir), str(out), str(tp), str(int(sp))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(tp),
+        "--master-port",
+        str(free_port()),
+        str(WORKER),
+        str(hf_dir),
+        str(out),
+        str(tp),
+        str(int(sp)),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

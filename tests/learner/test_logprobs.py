@@ -1,4 +1,5 @@
 """packed_token_logprobs / flat_token_logprobs against the materialised log-softmax."""
+
 import os
 
 import pytest
@@ -37,7 +38,7 @@ def _expected(hidden, weight, p, with_entropy):
     for i in range(p.num_tokens):
         j = int(p.prev_index[i])
         if p.loss_mask[i] and j >= 0:
-            r = token_logprobs_reference(hidden[j:j + 1], weight, p.tokens[i:i + 1], with_entropy=True)
+            r = token_logprobs_reference(hidden[j : j + 1], weight, p.tokens[i : i + 1], with_entropy=True)
             lp[i], ent[i] = r[0][0], r[1][0]
     return (lp, ent) if with_entropy else lp
 
@@ -69,7 +70,7 @@ def test_custom_mask_and_temperature():
     lp = packed_token_logprobs(hidden, weight, p, mask=mask, temperature=0.7)
     for i in (1, 5, p.num_tokens - 1):
         j = int(p.prev_index[i])
-        ref = token_logprobs_reference(hidden[j:j + 1], weight, p.tokens[i:i + 1], temperature=0.7)
+        ref = token_logprobs_reference(hidden[j : j + 1], weight, p.tokens[i : i + 1], temperature=0.7)
         assert torch.allclose(lp[i], ref[0], atol=1e-5)
     starts = p.prev_index < 0
     assert (lp[starts] == 0).all()  # a tree's first token has no predicting position
@@ -93,12 +94,14 @@ def _tp_worker(rank, world, port, hidden, weight, p, out_dir):
     torch.set_num_threads(1)
     shard = V // world + 1  # uneven split: the last rank holds fewer rows
     start = rank * shard
-    w = weight[start:start + shard].clone().requires_grad_(True)
+    w = weight[start : start + shard].clone().requires_grad_(True)
     h = hidden.clone().requires_grad_(True)
     lp, ent = packed_token_logprobs(h, w, p, tp_group=dist.group.WORLD, vocab_start=start, with_entropy=True)
     (lp.sum() + 0.5 * ent.sum()).backward()
-    torch.save({"lp": lp.detach(), "ent": ent.detach(), "gh": h.grad, "gw": w.grad, "start": start},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {"lp": lp.detach(), "ent": ent.detach(), "gh": h.grad, "gw": w.grad, "start": start},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 
@@ -112,8 +115,9 @@ def test_vocab_parallel_two_ranks_match_the_full_vocabulary(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # fork: the workers inherit the imported modules (spawn would re-import torch and triton)
-    mp.start_processes(_tp_worker, args=(2, port, hidden, weight, p, str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+    mp.start_processes(
+        _tp_worker, args=(2, port, hidden, weight, p, str(tmp_path)), nprocs=2, join=True, start_method="fork"
+    )
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     lp, ent = packed_token_logprobs(h, w, p, with_entropy=True)
@@ -123,4 +127,4 @@ def test_vocab_parallel_two_ranks_match_the_full_vocabulary(tmp_path):
         assert torch.allclose(r["lp"], lp, atol=1e-5) and torch.allclose(r["ent"], ent, atol=1e-5)
         assert torch.allclose(r["gh"], h.grad, atol=1e-5)  # dhidden all-reduced over the shards
         n = r["gw"].shape[0]
-        assert torch.allclose(r["gw"], w.grad[r["start"]:r["start"] + n], atol=1e-5)
+        assert torch.allclose(r["gw"], w.grad[r["start"] : r["start"] + n], atol=1e-5)

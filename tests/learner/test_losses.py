@@ -1,13 +1,22 @@
 """Losses (losses.py): direct formulas on flat data, flattened equivalence on trees, micro-batching."""
+
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trace_mega.config import AdvantageConfig, LossConfig
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.losses import (
-    LOSSES, aggregation_coefficients, aggregation_mode, compute_loss, kl_k3, path_token_index, unit_count,
+    LOSSES,
+    aggregation_coefficients,
+    aggregation_mode,
+    compute_loss,
+    kl_k3,
+    path_token_index,
+    unit_count,
 )
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 
@@ -84,8 +93,9 @@ NORM = 16  # seq_norm_tokens of the Dr.GRPO aggregation in these tests
 
 
 def _cfg(name, agg, **kw):
-    return LossConfig(name=name, aggregation=agg, seq_norm_tokens=NORM if agg == "seq_mean_token_sum_norm" else None,
-                      **kw)
+    return LossConfig(
+        name=name, aggregation=agg, seq_norm_tokens=NORM if agg == "seq_mean_token_sum_norm" else None, **kw
+    )
 
 
 @pytest.mark.parametrize("name,agg,kind,eps", CASES)
@@ -213,9 +223,16 @@ def test_once_weights_count_a_shared_token_once():
     assert torch.allclose(aggregation_coefficients(p, "sequence_mean").sum(), torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("name,agg", [("ppo_clip_token", None), ("ppo_clip_token", "sequence_mean"),
-                                      ("ppo_clip_token", "prompt_mean"), ("gspo", None),
-                                      ("ppo_clip_token", "seq_mean_token_sum_norm")])
+@pytest.mark.parametrize(
+    "name,agg",
+    [
+        ("ppo_clip_token", None),
+        ("ppo_clip_token", "sequence_mean"),
+        ("ppo_clip_token", "prompt_mean"),
+        ("gspo", None),
+        ("ppo_clip_token", "seq_mean_token_sum_norm"),
+    ],
+)
 def test_micro_batches_with_global_units_sum_to_the_batch_loss(name, agg):
     trees = _trees() + [_tree([(0, 2, 1), (0, 3, 0)], "z")]
     cfg = _cfg(name, agg)
@@ -254,8 +271,9 @@ def test_validation():
 # --- numerical guards -------------------------------------------------------------------------
 def _all_loss_configs(**kw):
     for name in LOSSES.names():
-        aggs = {"dapo": [None], "gspo": [None]}.get(name, [None, "sequence_mean", "prompt_mean",
-                                                           "seq_mean_token_sum_norm"])
+        aggs = {"dapo": [None], "gspo": [None]}.get(
+            name, [None, "sequence_mean", "prompt_mean", "seq_mean_token_sum_norm"]
+        )
         for agg in aggs:
             yield _cfg(name, agg, **kw)
 
@@ -319,7 +337,6 @@ def test_ratio_metrics_report_the_max_and_k3_of_the_ratio():
 
 
 # --- random trees ------------------------------------------------------------------------------
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @st.composite
@@ -329,8 +346,15 @@ def random_forest(draw):
         n = draw(st.integers(1, 8))
         parents = [draw(st.integers(0, i)) for i in range(n)]
         inner = set(parents)
-        trees.append(_tree([(p, draw(st.integers(1, 3)), None if i in inner else float(draw(st.integers(0, 1))))
-                            for i, p in enumerate(parents, start=1)], f"r{ti}"))
+        trees.append(
+            _tree(
+                [
+                    (p, draw(st.integers(1, 3)), None if i in inner else float(draw(st.integers(0, 1))))
+                    for i, p in enumerate(parents, start=1)
+                ],
+                f"r{ti}",
+            )
+        )
     return trees
 
 

@@ -3,6 +3,7 @@
 Full-model behaviour (RoPE at tree positions, parity with transformers, TP/PP/EP)
 runs in torchrun workers: tests/learner/test_convert.py and test_parallel.py.
 """
+
 import math
 
 import pytest
@@ -11,8 +12,8 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
-
 from workers.common import packed_tree, path_indices, tree_paths
+
 from trace_mega.learner.attention import TreeCoreAttention, tree_attention_mask, tree_mask_dense
 from trace_mega.learner.models import model_config_from_hf, padded_vocab_size
 
@@ -29,10 +30,18 @@ def tp1_group():
 
 
 def _leaf(group, backend, heads=4, groups=2, head_dim=16):
-    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads, num_query_groups=groups,
-                            kv_channels=head_dim, attention_dropout=0.0, use_cpu_initialization=True)
-    return TreeCoreAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=ProcessGroupCollection(tp=group),
-                             backend=backend)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
+    return TreeCoreAttention(
+        cfg, 1, AttnMaskType.causal, "self", pg_collection=ProcessGroupCollection(tp=group), backend=backend
+    )
 
 
 def _reference(q, k, v, allowed):
@@ -59,7 +68,9 @@ def test_tree_mask_is_the_packing_rule():
         for pos, i in enumerate(idx):
             assert torch.equal(torch.nonzero(dense[i]).flatten(), idx[: pos + 1].sort().values)
     zeros = torch.zeros(1, 7, dtype=torch.long)
-    assert torch.equal(tree_mask_dense(tree_attention_mask(zeros, zeros))[0, 0], torch.ones(7, 7, dtype=torch.bool).tril())
+    assert torch.equal(
+        tree_mask_dense(tree_attention_mask(zeros, zeros))[0, 0], torch.ones(7, 7, dtype=torch.bool).tril()
+    )
 
 
 def test_sdpa_leaf_matches_reference_with_gqa_and_grads(tp1_group):
@@ -79,7 +90,9 @@ def test_sdpa_leaf_matches_reference_with_gqa_and_grads(tp1_group):
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     causal = leaf(q, k, v, None)
-    torch.testing.assert_close(causal, _reference(q, k, v, torch.ones(1, S, S, dtype=torch.bool).tril()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        causal, _reference(q, k, v, torch.ones(1, S, S, dtype=torch.bool).tril()), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_leaf_rejects_dense_masks(tp1_group):
@@ -103,21 +116,43 @@ def test_tree_triton_backend_matches_sdpa(tp1_group):
 def test_model_config_from_hf_families():
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    small = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
+    small = dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     q3 = model_config_from_hf(Qwen3Config(**small, head_dim=32, tie_word_embeddings=True))
-    assert (q3.head_dim, q3.qk_layernorm, q3.qkv_bias, q3.tie_word_embeddings, q3.num_experts) == (32, True, False, True, None)
+    assert (q3.head_dim, q3.qk_layernorm, q3.qkv_bias, q3.tie_word_embeddings, q3.num_experts) == (
+        32,
+        True,
+        False,
+        True,
+        None,
+    )
     q2 = model_config_from_hf(Qwen2Config(**small))
     assert (q2.head_dim, q2.qk_layernorm, q2.qkv_bias) == (16, False, True)
     ll = model_config_from_hf(LlamaConfig(**small, rope_theta=500000.0))
     assert (ll.qk_layernorm, ll.qkv_bias, ll.rotary_base, ll.num_query_groups) == (False, False, 500000.0, 2)
-    moe = model_config_from_hf(Qwen3MoeConfig(**small, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                              norm_topk_prob=False))
+    moe = model_config_from_hf(
+        Qwen3MoeConfig(**small, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
+    )
     assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size, moe.moe_norm_topk_prob) == (8, 2, 32, False)
     with pytest.raises(ValueError, match="rope type"):
-        model_config_from_hf(LlamaConfig(**small, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                                  "original_max_position_embeddings": 64}))
+        model_config_from_hf(
+            LlamaConfig(
+                **small,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            )
+        )
 
 
 def test_vocab_padding():
@@ -125,18 +160,34 @@ def test_vocab_padding():
 
 
 def _small(**kw):
-    return dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, **kw)
+    return dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("hf_act,ours", [("silu", "silu"), ("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh"),
-                                         ("gelu_new", "gelu_tanh"), ("relu", "relu")])
+@pytest.mark.parametrize(
+    "hf_act,ours",
+    [
+        ("silu", "silu"),
+        ("gelu", "gelu"),
+        ("gelu_pytorch_tanh", "gelu_tanh"),
+        ("gelu_new", "gelu_tanh"),
+        ("relu", "relu"),
+    ],
+)
 def test_hidden_act_maps_to_the_same_function(hf_act, ours):
     from transformers import LlamaConfig
     from transformers.activations import ACT2FN
 
-    from trace_mega.learner.models import ACTIVATIONS, transformer_config
     from trace_mega.config import ParallelConfig
+    from trace_mega.learner.models import ACTIVATIONS, transformer_config
 
     mc = model_config_from_hf(LlamaConfig(**_small(hidden_act=hf_act)))
     assert mc.activation == ours
@@ -159,15 +210,30 @@ def test_sliding_window_attention_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"layer_types .*layers \[2, 3\].*sliding_window=64"):
         model_config_from_hf(Qwen2Config(**_small(use_sliding_window=True, sliding_window=64, max_window_layers=2)))
     with pytest.raises(ValueError, match="layer_types"):
-        model_config_from_hf(Qwen3Config(**_small(layer_types=["full_attention", "sliding_attention"] * 2,
-                                                  sliding_window=32, use_sliding_window=True)))
+        model_config_from_hf(
+            Qwen3Config(
+                **_small(
+                    layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=32, use_sliding_window=True
+                )
+            )
+        )
     with pytest.raises(ValueError, match="use_sliding_window"):
-        model_config_from_hf(Qwen3MoeConfig(**_small(use_sliding_window=True, sliding_window=64, num_experts=4,
-                                                     num_experts_per_tok=2, moe_intermediate_size=32)))
+        model_config_from_hf(
+            Qwen3MoeConfig(
+                **_small(
+                    use_sliding_window=True,
+                    sliding_window=64,
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=32,
+                )
+            )
+        )
     # exact cases convert: the flag off (Qwen2.5's shipped configs: the window is then None), or a window
     # no sequence reaches
-    model_config_from_hf(Qwen3Config(**_small(layer_types=["full_attention", "sliding_attention"] * 2,
-                                              sliding_window=32)))
+    model_config_from_hf(
+        Qwen3Config(**_small(layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=32))
+    )
     model_config_from_hf(Qwen2Config(**_small(use_sliding_window=False, sliding_window=64, max_window_layers=2)))
     model_config_from_hf(Qwen2Config(**_small(use_sliding_window=True, sliding_window=256, max_window_layers=2)))
 

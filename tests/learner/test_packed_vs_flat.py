@@ -8,6 +8,7 @@ sequence- and prompt-level PPO-clip aggregations and GSPO. Two models: a pure-to
 transformer defined here (in-process) and the learner's Megatron-Core `TreeGPTModel`
 (TP=1, in a subprocess so megatron's global state stays out of this test process).
 """
+
 import json
 import math
 import os
@@ -26,8 +27,12 @@ from trace_mega.learner.losses import compute_loss, resolve_clip
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 
 VOCAB = 50
-LOSS_CASES = [("ppo_clip_token", None), ("ppo_clip_token", "sequence_mean"), ("ppo_clip_token", "prompt_mean"),
-              ("gspo", None)]
+LOSS_CASES = [
+    ("ppo_clip_token", None),
+    ("ppo_clip_token", "sequence_mean"),
+    ("ppo_clip_token", "prompt_mean"),
+    ("gspo", None),
+]
 
 
 def make_trees(seed=0):
@@ -98,9 +103,11 @@ def compare(model_packed, model_flat, weight, params, p):
         flp = flat_token_logprobs(model_flat(f), weight(), f)
         flat = flat_loss(flp, p, f, name, agg)
         gf = torch.autograd.grad(flat, params)
-        out[f"{name}/{agg}"] = (abs(packed.item() - flat.item()),
-                                max((a - b).abs().max().item() for a, b in zip(gp, gf)),
-                                max(b.abs().max().item() for b in gf))
+        out[f"{name}/{agg}"] = (
+            abs(packed.item() - flat.item()),
+            max((a - b).abs().max().item() for a, b in zip(gp, gf)),
+            max(b.abs().max().item() for b in gf),
+        )
     return out
 
 
@@ -112,8 +119,9 @@ class TinyTreeLM(torch.nn.Module):
         self.emb = torch.nn.Embedding(vocab, hidden)
         self.pos = torch.nn.Embedding(max_pos, hidden)
         self.layers = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(hidden, heads, 2 * hidden, dropout=0.0, batch_first=True,
-                                             norm_first=True) for _ in range(layers))
+            torch.nn.TransformerEncoderLayer(hidden, heads, 2 * hidden, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
         self.norm = torch.nn.LayerNorm(hidden)
 
     def forward(self, ids, pos, allowed):  # (B, T), (B, T), (B, T, T) True = may attend
@@ -157,8 +165,17 @@ def megatron_worker(out_path: str) -> None:
     torch.set_num_threads(1)
     par = ParallelConfig(device="cpu")
     groups = init_parallel(par, seed=0)
-    mcfg = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                       num_query_groups=2, head_dim=8, max_position_embeddings=64, attention_backend="sdpa")
+    mcfg = ModelConfig(
+        vocab_size=VOCAB,
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        attention_backend="sdpa",
+    )
     model = build_model(mcfg, par, groups.pgs, groups.device, 0, 1)
     p = prepare(make_trees())
 
@@ -178,8 +195,13 @@ def megatron_worker(out_path: str) -> None:
 @pytest.mark.slow
 def test_packed_equals_flattened_megatron_model(tmp_path):
     out = tmp_path / "res.json"
-    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert set(res) == {f"{n}/{a}" for n, a in LOSS_CASES}

@@ -4,10 +4,10 @@ Every run starts from the same tiny HF checkpoint, sees the same global
 micro-batches of packed trees and poisons step 1 with a NaN loss, so the
 NaN/inf guard is exercised under every layout (all ranks must skip together).
 """
+
 import json
 
 import pytest
-
 from workers.common import save_tiny_hf, torchrun
 
 pytestmark = pytest.mark.slow
@@ -24,9 +24,19 @@ def runs(tmp_path_factory):
         return {"hf": str(hf), "steps": STEPS, "nan_step": NAN_STEP, "out": str(root / f"{name}.json"), **layout}
 
     torchrun("train_worker.py", 1, [json.dumps([job("ref_dense", dense), job("ref_moe", moe)])])
-    torchrun("train_worker.py", 2, [json.dumps([
-        job("tp2", dense, tp=2), job("pp2", dense, pp=2), job("ep2", moe, ep=2),
-    ])])
+    torchrun(
+        "train_worker.py",
+        2,
+        [
+            json.dumps(
+                [
+                    job("tp2", dense, tp=2),
+                    job("pp2", dense, pp=2),
+                    job("ep2", moe, ep=2),
+                ]
+            )
+        ],
+    )
     return {p.stem: json.loads(p.read_text()) for p in root.glob("*.json")}
 
 

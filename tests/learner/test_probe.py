@@ -1,4 +1,5 @@
 """TRACE-C probe: ℓ̄ at every boundary from ONE packed forward == K separate forwards (fp32, 1e-5)."""
+
 import json
 import math
 import os
@@ -12,7 +13,11 @@ import torch
 from trace_mega.config import AdvantageConfig, CreditConfig
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.probe import (
-    answer_token_ids, boundary_nodes, build_probe_batch, hf_packed_forward, reference_probe,
+    answer_token_ids,
+    boundary_nodes,
+    build_probe_batch,
+    hf_packed_forward,
+    reference_probe,
 )
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 
@@ -24,7 +29,7 @@ def tokenize(s):
     """Characters to ids in [30, 61); the pair '=P' merges into one token (60) like a BPE merge."""
     out, i = [], 0
     while i < len(s):
-        if s[i:i + 2] == "=P":
+        if s[i : i + 2] == "=P":
             out.append(60)
             i += 2
         else:
@@ -56,8 +61,16 @@ def tiny_qwen3(seed=0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
@@ -100,8 +113,9 @@ def test_probe_batch_layout():
     assert int(batch.packed.loss_mask.sum()) == sum(k * len(gd) for k, (_, gd) in zip(K, answers))
     # each probe node is a leaf below its boundary: the path to it is S_k + template + gold
     P = batch.packed
-    for g, (ti, lid), (tm, gd) in zip(batch.probe_node.tolist(), batch.boundary,
-                                      [answers[ti] for ti, _ in batch.boundary]):
+    for g, (ti, lid), (tm, gd) in zip(
+        batch.probe_node.tolist(), batch.boundary, [answers[ti] for ti, _ in batch.boundary]
+    ):
         assert P.tokens[P.path_token_indices(g)].tolist() == trees[ti].prefix_token_ids(lid) + tm + gd
         assert int(P.node_exit[g]) == g
     assert len(trees[0]) == 8 and trees[0].nodes[6].children == []  # the originals are untouched
@@ -169,13 +183,29 @@ def megatron_worker(out_path):
     torch.set_num_threads(1)
     par = ParallelConfig(device="cpu")
     groups = init_parallel(par, seed=0)
-    mcfg = ModelConfig(vocab_size=VOCAB, num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                       num_query_groups=2, head_dim=8, max_position_embeddings=128, attention_backend="sdpa")
+    mcfg = ModelConfig(
+        vocab_size=VOCAB,
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        attention_backend="sdpa",
+    )
     model = build_model(mcfg, par, groups.pgs, groups.device, 0, 1).eval()
     trees = make_trees()
     # pad_multiple=16 exercises the padding node that TP > 1 needs (the stream is not a multiple of 16)
-    res = reference_probe(megatron_packed_forward(model, pad_multiple=16), trees, tokenize, TEMPLATE,
-                          output_weight=output_weight(model), tp_group=groups.pgs.tp, vocab_start=0)
+    res = reference_probe(
+        megatron_packed_forward(model, pad_multiple=16),
+        trees,
+        tokenize,
+        TEMPLATE,
+        output_weight=output_weight(model),
+        tp_group=groups.pgs.tp,
+        vocab_start=0,
+    )
 
     def logits(ids):
         pos = torch.arange(ids.shape[1])[None]
@@ -192,8 +222,13 @@ def megatron_worker(out_path):
 @pytest.mark.slow
 def test_one_packed_pass_equals_separate_passes_megatron(tmp_path):
     out = tmp_path / "res.json"
-    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     diff = json.loads(out.read_text())["max_abs_diff"]
     assert math.isfinite(diff) and diff < 1e-5, diff

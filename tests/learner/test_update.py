@@ -3,19 +3,19 @@ from the learner or the engine, rollout importance weights, and the on-policy sp
 
 One in-process Megatron learner (random tiny Qwen3-style model, TP = 1, gloo on CPU).
 """
+
 import dataclasses
 
 import pytest
 import torch
 
-from trace_mega.config import (AdvantageConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig,
-                               TrainConfig)
+from trace_mega.config import AdvantageConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.learner import Learner, balanced_bins
+from trace_mega.learner.logprobs import packed_token_logprobs
 from trace_mega.learner.losses import compute_loss, rollout_is_weights
 from trace_mega.learner.models import output_weight
 from trace_mega.learner.optim import build_optimizer, train_step
-from trace_mega.learner.logprobs import packed_token_logprobs
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 from trace_mega.step import StepBatch
 
@@ -41,8 +41,11 @@ def _trees(n=4, seed=0):
 def learner():
     from trace_mega.learner.parallel import destroy_parallel
 
-    cfg = TrainConfig(model=ModelConfig(vocab_size=VOCAB), parallel=ParallelConfig(device="cpu"),
-                      optim=OptimConfig(lr=1e-2, clip_grad_norm=0.0))
+    cfg = TrainConfig(
+        model=ModelConfig(vocab_size=VOCAB),
+        parallel=ParallelConfig(device="cpu"),
+        optim=OptimConfig(lr=1e-2, clip_grad_norm=0.0),
+    )
     ln = Learner(cfg)
     yield ln
     destroy_parallel()
@@ -52,8 +55,9 @@ def _configure(ln, **kw):
     """Point the learner at new optim / loss fields (a fresh optimiser, as a new run would have)."""
     optim = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(OptimConfig)}}
     loss = {k: v for k, v in kw.items() if k not in optim}
-    ln.cfg = dataclasses.replace(ln.cfg, optim=dataclasses.replace(ln.cfg.optim, **optim),
-                                 loss=dataclasses.replace(LossConfig(), **loss))
+    ln.cfg = dataclasses.replace(
+        ln.cfg, optim=dataclasses.replace(ln.cfg.optim, **optim), loss=dataclasses.replace(LossConfig(), **loss)
+    )
     ln.optimizer, ln.scheduler = build_optimizer(ln.chunks, ln.cfg.optim, ln.cfg.parallel, ln.groups)
 
 
@@ -110,8 +114,7 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
     for _, mb, _ in learner._micro_batches(step.packed, step.advantages, range(len(trees))):
         ids, pos, mask = learner._inputs(mb)
         batches.append({"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb})
-    train_step(learner.chunks, learner.optimizer, learner.scheduler, batches, loss_fn, learner.groups,
-               output="hidden")
+    train_step(learner.chunks, learner.optimizer, learner.scheduler, batches, loss_fn, learner.groups, output="hidden")
     assert all(torch.equal(a, b) for a, b in zip(w1, _weights(learner)))
     assert any(not torch.equal(a, b) for a, b in zip(w0, w1))
 
@@ -192,7 +195,7 @@ def test_rollout_is_weights_token_and_sequence():
     leaf1, leaf2 = p.leaf_nodes.tolist()
     shared = int(p.node_parent[leaf1])
     for node, val in ((shared, 0.2), (leaf1, 0.5), (leaf2, -0.1)):
-        d[int(p.node_start[node]): int(p.node_end[node])] = val
+        d[int(p.node_start[node]) : int(p.node_end[node])] = val
     d = torch.where(m, d, 0.0)
     beh = torch.where(m, -1.0 - d, 0.0)
     old = torch.where(m, torch.full_like(d, -1.0), 0.0)

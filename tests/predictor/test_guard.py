@@ -1,4 +1,5 @@
 """The fallback guard pools Brier scores over a window: one noisy step does not flip it."""
+
 import math
 
 import pytest

@@ -76,8 +76,9 @@ def test_value_head_reads_policy_hidden_states():
     s = predictor_samples(packed)
     # A "policy" whose hidden state carries the success-relevant token in one channel.
     hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()  # (T, 8)
-    pred = build_predictor(PredictorConfig(backend="value_head", lr=0.1, updates_per_step=50),
-                           hidden_size=8, vocab_size=8)
+    pred = build_predictor(
+        PredictorConfig(backend="value_head", lr=0.1, updates_per_step=50), hidden_size=8, vocab_size=8
+    )
     assert torch.equal(pred.predict(packed, s.node, hidden), torch.full((s.node.numel(),), 0.5))  # zero head
     first = pred.fit(packed, s, hidden)
     # Calibrated on the predictions made before the update: 0.5 everywhere.
@@ -90,6 +91,7 @@ def test_value_head_reads_policy_hidden_states():
 def test_replay_batches_are_trained_on():
     """Fitting on failures alone pulls every prediction down; with a replayed batch of
     successes the replayed prompts' predictions stay higher."""
+
     def batch(reward, first_token):
         packed = _six_prompts(reward, first_token)
         return packed, predictor_samples(packed)
@@ -98,8 +100,9 @@ def test_replay_batches_are_trained_on():
     preds = {}
     for replay in (False, True):
         torch.manual_seed(0)
-        pred = build_predictor(PredictorConfig(backend="small_model", lr=1e-2, updates_per_step=30),
-                               hidden_size=0, vocab_size=8)
+        pred = build_predictor(
+            PredictorConfig(backend="small_model", lr=1e-2, updates_per_step=30), hidden_size=0, vocab_size=8
+        )
         pred.fit(pb, sb, replay=[(pa, sa, None)] if replay else [])
         preds[replay] = float(pred.predict(pa, sa.node).mean())
     assert preds[True] > preds[False] + 0.2
@@ -121,8 +124,11 @@ def test_anchored_zero_head_is_the_constant_and_decay_weights_replay():
     old, new = _six_prompts(1.0, 1), _six_prompts(0.0, 1)  # same features, opposite targets: the weights decide
     means = {}
     for decay in (1.0, 0.25):
-        pred = build_predictor(PredictorConfig(backend="value_head", lr=0.1, updates_per_step=200,
-                                               replay_steps=2, replay_decay=decay), hidden_size=8, vocab_size=8)
+        pred = build_predictor(
+            PredictorConfig(backend="value_head", lr=0.1, updates_per_step=200, replay_steps=2, replay_decay=decay),
+            hidden_size=8,
+            vocab_size=8,
+        )
         h_old, h_new = (torch.nn.functional.one_hot(p.tokens, 8).float() for p in (old, new))
         s_new = predictor_samples(new)
         pred.fit(new, s_new, h_new, replay=[(old, predictor_samples(old), h_old)])
@@ -142,8 +148,9 @@ def _dp_fits(packed, hidden, trees, group=None, config="head"):
     """Three value-head fits (a replay window of 2) on the trees `trees` of `packed`; the head's
     weights and each fit's metrics."""
     torch.manual_seed(0)
-    pred = build_predictor(PredictorConfig(replay_steps=2, lr=5e-2, **DP_CONFIGS[config]), hidden_size=hidden.shape[1],
-                           vocab_size=8)
+    pred = build_predictor(
+        PredictorConfig(replay_steps=2, lr=5e-2, **DP_CONFIGS[config]), hidden_size=hidden.shape[1], vocab_size=8
+    )
     samples = predictor_samples(packed)
     if len(trees) < packed.num_trees:
         samples, hidden, packed = samples.share(packed, trees), hidden[packed.tree_tokens(trees)], packed.select(trees)
@@ -212,8 +219,11 @@ def test_root_head_separates_roots_from_prefixes_on_shared_features(anchor):
     errs = {}
     for root_head in (False, True):
         torch.manual_seed(0)
-        pred = build_predictor(PredictorConfig(lr=0.1, updates_per_step=300, root_head=root_head,
-                                               anchor_at_mean=anchor), hidden_size=8, vocab_size=8)
+        pred = build_predictor(
+            PredictorConfig(lr=0.1, updates_per_step=300, root_head=root_head, anchor_at_mean=anchor),
+            hidden_size=8,
+            vocab_size=8,
+        )
         pred.fit(packed, s, hidden)
         errs[root_head] = float((pred.predict(packed, s.node, hidden) - s.target).abs().max())
     assert errs[False] > 0.2  # one head on one feature: both kinds near 0.25
@@ -226,8 +236,9 @@ def test_root_head_anchors_each_kind_at_its_own_mean():
     packed = pack(_trees(seed=5))
     s = predictor_samples(packed)
     hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
-    pred = build_predictor(PredictorConfig(updates_per_step=0, root_head=True, anchor_at_mean=True),
-                           hidden_size=8, vocab_size=8)
+    pred = build_predictor(
+        PredictorConfig(updates_per_step=0, root_head=True, anchor_at_mean=True), hidden_size=8, vocab_size=8
+    )
     pred.fit(packed, s, hidden)
     v = pred.predict(packed, s.node, hidden)
     for kind in (s.is_root, ~s.is_root):
@@ -258,8 +269,11 @@ def test_root_token_bag_reads_a_word_the_last_tokens_state_does_not_carry():
     errs = {}
     for bag in (False, True):
         torch.manual_seed(0)
-        pred = build_predictor(PredictorConfig(lr=0.1, updates_per_step=300, root_head=True, root_token_bag=bag,
-                                               anchor_at_mean=True), hidden_size=8, vocab_size=8)
+        pred = build_predictor(
+            PredictorConfig(lr=0.1, updates_per_step=300, root_head=True, root_token_bag=bag, anchor_at_mean=True),
+            hidden_size=8,
+            vocab_size=8,
+        )
         untrained = pred.predict(packed, s.node, hidden)
         assert torch.allclose(untrained, torch.full_like(untrained, 0.5))  # the bag starts at zero: no effect
         pred.fit(packed, s, hidden)
@@ -286,8 +300,9 @@ def test_root_skill_is_the_roots_held_out_brier_against_their_previous_mean():
     packed = pack(_trees(seed=3))
     s = predictor_samples(packed)
     hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
-    pred = build_predictor(PredictorConfig(lr=0.1, updates_per_step=50, root_head=True, anchor_at_mean=True),
-                           hidden_size=8, vocab_size=8)
+    pred = build_predictor(
+        PredictorConfig(lr=0.1, updates_per_step=50, root_head=True, anchor_at_mean=True), hidden_size=8, vocab_size=8
+    )
     first = pred.fit(packed, s, hidden)
     assert first["predictor/root_skill"] != first["predictor/root_skill"]  # no previous mean yet
     assert first["predictor/root_samples"] == int(s.is_root.sum()) == 24
@@ -299,4 +314,6 @@ def test_root_skill_is_the_roots_held_out_brier_against_their_previous_mean():
     assert second["predictor/root_brier"] == pytest.approx(brier, rel=1e-5)
     assert second["predictor/root_brier_constant"] == pytest.approx(constant, rel=1e-5)
     assert second["predictor/root_skill"] == pytest.approx(1 - brier / constant, rel=1e-5)
-    assert second["predictor/root_skill"] > 0.2  # easy (token 1) and hard (token 2) prompts: learnt (targets are means of 4)
+    assert (
+        second["predictor/root_skill"] > 0.2
+    )  # easy (token 1) and hard (token 2) prompts: learnt (targets are means of 4)

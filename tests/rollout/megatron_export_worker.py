@@ -13,6 +13,7 @@ Both are random Megatron-initialised TreeGPTModels of the same Qwen3 shape.
 The config carries no `architectures` (like the trainer's `hf_config`), so
 the engines must cope with what the converter writes.
 """
+
 import argparse
 from pathlib import Path
 
@@ -29,15 +30,24 @@ from trace_mega.learner.parallel import destroy_parallel, init_parallel
 def hf_config() -> Qwen3Config:
     """2 layers, 4 query / 2 KV heads of head_dim 64 (vLLM's CPU attention rejects head_dim 16)."""
     return Qwen3Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     )
 
 
 def policy(seed: int, par: ParallelConfig, g):
     torch.manual_seed(seed)
-    net = build_model(model_config_from_hf(hf_config(), attention_backend="sdpa"), par, g.pgs, g.device, g.pp_rank, g.pp_size)
+    net = build_model(
+        model_config_from_hf(hf_config(), attention_backend="sdpa"), par, g.pgs, g.device, g.pp_rank, g.pp_size
+    )
     with torch.no_grad():
         # Megatron's init (std 0.02, unit norms) gives near-uniform logits; widen it so greedy
         # argmaxes are far from ties and a wrong norm mapping would show.

@@ -7,6 +7,7 @@ generation ends after the first stop token (included) or after
 Log-probs are a deterministic function of (prefix length, position) so tests
 can check that they land on the right tokens. Every call is recorded.
 """
+
 from __future__ import annotations
 
 import random

@@ -1,12 +1,12 @@
 """The agent loop with a scripted engine and the synthetic environments."""
+
 import threading
 
 import pytest
 from scripted_engine import ScriptedEngine, scripted_logprob
 
 from trace_mega.config import RolloutConfig
-from trace_mega.envs.synthetic import (ANSWER_DONE, MOVE_LEFT, MOVE_RIGHT, REVEAL, SyntheticEnv,
-                                       SyntheticToolsEnv)
+from trace_mega.envs.synthetic import ANSWER_DONE, MOVE_LEFT, MOVE_RIGHT, REVEAL, SyntheticEnv, SyntheticToolsEnv
 from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.tree import load_jsonl, pack, save_jsonl
 
@@ -95,8 +95,9 @@ def test_bare_rollouts_batched_and_token_exact():
                 msgs.append({"role": "assistant", "content": node.text})
                 if node.observation:
                     msgs.append({"role": "tool", "content": node.observation})
-            full = tok.apply_chat_template(msgs, tools=task.tools, add_generation_prompt=False,
-                                           tokenize=True, return_dict=False)
+            full = tok.apply_chat_template(
+                msgs, tools=task.tools, add_generation_prompt=False, tokenize=True, return_dict=False
+            )
             stream = tree.prefix_token_ids(leaf)
             assert stream == list(full)[: len(stream)]
     assert loop.last_stats.generated_tokens == sum(sum(n.loss_mask) for t in trees for n in t.nodes)
@@ -186,9 +187,17 @@ def test_malformed_output_becomes_error_observation():
     assert n1.observation.startswith("Error: no tool call") and n2.kind == "error"
     assert "unknown tool 'reveal'" in n2.observation
     # the error is shown in the chat format; the generated <|im_end|> is not repeated
-    obs = tok.convert_ids_to_tokens(n1.token_ids[n1.info["num_generated"]:])
-    assert obs == ["<|im_start|>", "user", "<tool_response>", "error", "</tool_response>", "<|im_end|>",
-                   "<|im_start|>", "assistant"]
+    obs = tok.convert_ids_to_tokens(n1.token_ids[n1.info["num_generated"] :])
+    assert obs == [
+        "<|im_start|>",
+        "user",
+        "<tool_response>",
+        "error",
+        "</tool_response>",
+        "<|im_end|>",
+        "<|im_start|>",
+        "assistant",
+    ]
     assert tree.runtime["states"][path[2]].data["pos"] == 0  # nothing executed
     assert tree.nodes[path[-1]].reward == 1.0 and len(path) == 5  # the episode went on and succeeded
     assert loop.last_stats.parse_errors == 2
@@ -310,11 +319,11 @@ def test_determinism_jsonl_and_packing_of_loop_trees(tmp_path):
     env = SyntheticToolsEnv()
     with pytest.raises(ValueError, match="keeps no environment state"):
         AgentLoop(env, ScriptedEngine(lambda p, r: []), env.tokenizer, cfg()).expand(
-            back, [(0, open_nodes(back[0])[0], 1)])
+            back, [(0, open_nodes(back[0])[0], 1)]
+        )
     AgentLoop.release(a)
     with pytest.raises(ValueError, match="keeps no environment state"):
-        AgentLoop(env, ScriptedEngine(lambda p, r: []), env.tokenizer, cfg()).expand(
-            a, [(0, open_nodes(a[0])[0], 1)])
+        AgentLoop(env, ScriptedEngine(lambda p, r: []), env.tokenizer, cfg()).expand(a, [(0, open_nodes(a[0])[0], 1)])
 
 
 class _Broken(ScriptedEngine):
@@ -346,16 +355,24 @@ def test_real_torch_engine_end_to_end_logprobs_match_recompute():
     behaviour log-probs stored on its generated tokens: the path IS the token
     stream the engine continued from (observations appended, nothing re-encoded).
     """
-    import transformers
     import torch
+    import transformers
 
     from trace_mega.rollout.engines import TorchEngine
 
     env = SyntheticToolsEnv(seed=0)
     tok = env.tokenizer
-    qcfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                    max_position_embeddings=256, eos_token_id=tok.eos_token_id)
+    qcfg = transformers.Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(qcfg).eval()
     engine = TorchEngine(model)
@@ -403,8 +420,10 @@ def test_compression_ratio_agent_loop_batch():
     loop.expand(trees, picks, seed=1)
     p = pack(trees)
     assert p.leaf_nodes.numel() == 8 * 8 * 5
-    print(f"\nagent-loop batch: {p.leaf_nodes.numel()} trajectories, packed {p.num_tokens} tokens, "
-          f"flattened {p.flattened_num_tokens()} tokens, compression {p.compression_ratio():.2f}x")
+    print(
+        f"\nagent-loop batch: {p.leaf_nodes.numel()} trajectories, packed {p.num_tokens} tokens, "
+        f"flattened {p.flattened_num_tokens()} tokens, compression {p.compression_ratio():.2f}x"
+    )
     assert p.compression_ratio() > 2.0
 
 
@@ -423,8 +442,12 @@ class TwoLegEnv(SyntheticToolsEnv):
         return [{"role": "user", "content": "goal 0"}]
 
     def reward(self, state, final_answer):
-        return float(final_answer == "done" and state.data.get("first_ok", False) and state.data.get("leg") == 1
-                     and state.data["pos"] == state.data["goal2"])
+        return float(
+            final_answer == "done"
+            and state.data.get("first_ok", False)
+            and state.data.get("leg") == 1
+            and state.data["pos"] == state.data["goal2"]
+        )
 
 
 def test_multi_turn_task_next_user_turn_and_revealed_tools():
@@ -449,8 +472,16 @@ def test_multi_turn_task_next_user_turn_and_revealed_tools():
     assert kinds == ["tool", "final", "tool", "tool", "tool", "final"]  # right, answer | reveal, left, left, answer
     mid = tree.nodes[path[2]]
     assert mid.reward is None and mid.info["next_turn"] and mid.observation == "goal 0"
-    assert tok.convert_ids_to_tokens(mid.token_ids[mid.info["num_generated"]:]) == [
-        "<|im_end|>", "<|im_start|>", "user", "goal", "0", "<|im_end|>", "<|im_start|>", "assistant"]
+    assert tok.convert_ids_to_tokens(mid.token_ids[mid.info["num_generated"] :]) == [
+        "<|im_end|>",
+        "<|im_start|>",
+        "user",
+        "goal",
+        "0",
+        "<|im_end|>",
+        "<|im_start|>",
+        "assistant",
+    ]
     assert mid.loss_mask == [1] + [0] * 8
     # the revealed tool parses (validated against state.data["tools"]); the walk env then rejects it itself
     rev = tree.nodes[path[3]]

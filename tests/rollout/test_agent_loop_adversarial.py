@@ -13,6 +13,7 @@ arguments deeper than the parser's bound.
 
 The fast slice runs in the default test command; `test_..._long` is marked slow.
 """
+
 import json
 import threading
 
@@ -30,8 +31,10 @@ from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.tree import RolloutTree
 
 CAP = 4
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("echo", "grow")]
 
 
@@ -41,10 +44,12 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     model = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     model.decoder = decoders.ByteLevel()
-    model.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                              for t in ("<|im_start|>", "<|im_end|>", "<pad>")])
-    tok = PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<|im_end|>", pad_token="<pad>",
-                                  additional_special_tokens=["<|im_start|>"])
+    model.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>", "<pad>")]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=model, eos_token="<|im_end|>", pad_token="<pad>", additional_special_tokens=["<|im_start|>"]
+    )
     tok.chat_template = CHATML
     return tok
 
@@ -91,15 +96,19 @@ def _call(name, args_json):
 
 
 PIECES = st.one_of(
-    st.integers(0, 1200).map(lambda d: _call("echo", '{"v": ' + "[" * d + "]" * d + "}")),  # json.loads gives up past ~1000
+    st.integers(0, 1200).map(
+        lambda d: _call("echo", '{"v": ' + "[" * d + "]" * d + "}")
+    ),  # json.loads gives up past ~1000
     st.integers(0, 11000).map(lambda n: _call("echo", json.dumps({"v": [0] * n}))),
-    st.tuples(st.integers(0, 12), st.sampled_from(["echo", "grow"])).map(
-        lambda t: _call(t[1], '{"n": 700}') * t[0]),
+    st.tuples(st.integers(0, 12), st.sampled_from(["echo", "grow"])).map(lambda t: _call(t[1], '{"n": 700}') * t[0]),
     st.just(_call("echo", '{"v": "\\ud800\\udfff <|im_end|><|im_start|>assistant"}')),
-    st.just('```json\n[' + ", ".join(['{"name": "echo", "arguments": {}}'] * 6) + "]\n```"),
-    st.just('{"name": "echo", "arguments": {"v": ' + "{\"a\": " * 800 + "1" + "}" * 800 + "}}"),
-    st.just("<answer>42</answer>"), st.just("<answer>41</answer>"),
-    st.just('<tool_call>{"name": "echo", "argu'), st.just("<think>"), st.just("</tool_call>"),
+    st.just("```json\n[" + ", ".join(['{"name": "echo", "arguments": {}}'] * 6) + "]\n```"),
+    st.just('{"name": "echo", "arguments": {"v": ' + '{"a": ' * 800 + "1" + "}" * 800 + "}}"),
+    st.just("<answer>42</answer>"),
+    st.just("<answer>41</answer>"),
+    st.just('<tool_call>{"name": "echo", "argu'),
+    st.just("<think>"),
+    st.just("</tool_call>"),
     st.text(max_size=40),
 )
 TURNS = st.lists(st.lists(PIECES, min_size=1, max_size=3).map("".join), min_size=1, max_size=4)
@@ -119,8 +128,7 @@ def check_rollout(tok, turns):
         return encoded[min(prefix.count(start) - 2, len(encoded) - 1)]
 
     cfg = RolloutConfig(max_turns=4, max_new_tokens_per_turn=40_000, max_total_tokens=400_000)
-    with AgentLoop(env, ScriptedEngine(script), tok, cfg, tool_timeout_s=30.0,
-                   max_tool_calls_per_turn=CAP) as loop:
+    with AgentLoop(env, ScriptedEngine(script), tok, cfg, tool_timeout_s=30.0, max_tool_calls_per_turn=CAP) as loop:
         (tree,) = loop.rollout(env.tasks(), [2], seed=0)
         picks = [(0, n, 1) for n in [i for i, node in enumerate(tree.nodes) if i and node.reward is None][:2]]
         loop.expand([tree], picks, seed=1)
@@ -149,8 +157,12 @@ KNOWN = [
 ]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-          derandomize=True)
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
 @given(turns=TURNS)
 @example(turns=KNOWN[0])
 @example(turns=KNOWN[1])

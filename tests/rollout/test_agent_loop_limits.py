@@ -1,5 +1,6 @@
 """Model output cannot crash or stall a rollout: argument bounds, calls per turn, one time budget per turn,
 states that cannot be copied, lone surrogates in tool output."""
+
 import json
 import threading
 import time
@@ -13,8 +14,10 @@ from trace_mega.envs.tokenizer import build_tiny_tokenizer
 from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.tree import load_jsonl, save_jsonl
 
-TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
-         for name in ("echo", "nap", "grow")]
+TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for name in ("echo", "nap", "grow")
+]
 ANSWER = "<answer>done</answer>"
 
 
@@ -83,7 +86,10 @@ def test_deep_arguments_are_an_error_observation_and_the_rollout_survives(tmp_pa
     loop, env = loop_for([call("echo", nested(600))])
     (tree,) = loop.rollout(env.tasks(), [2])
     node = first_turn(tree)
-    assert node.kind == "error" and f"arguments of 'echo' are nested deeper than {MAX_ARG_DEPTH} levels" in node.observation
+    assert (
+        node.kind == "error"
+        and f"arguments of 'echo' are nested deeper than {MAX_ARG_DEPTH} levels" in node.observation
+    )
     assert env.started == 0 and tree.nodes[tree.leaves()[0]].reward == 1.0
     # just inside the bound: executed; forks share the recorded call instead of copying its arguments
     loop, env = loop_for([call("echo", nested(MAX_ARG_DEPTH))])

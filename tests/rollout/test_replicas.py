@@ -1,5 +1,6 @@
 """Rollout replicas: the prompt assignment, replica-independent episodes, the tree exchange under
 gloo (two processes), a replica without prompts, and a failure on one replica raised on every rank."""
+
 import os
 import time
 import traceback
@@ -11,7 +12,7 @@ import torch.multiprocessing as mp
 from scripted_engine import ScriptedEngine
 
 from trace_mega.config import RolloutConfig
-from trace_mega.envs.synthetic import MOVE_LEFT, MOVE_RIGHT, ANSWER_DONE, SyntheticToolsEnv
+from trace_mega.envs.synthetic import ANSWER_DONE, MOVE_LEFT, MOVE_RIGHT, SyntheticToolsEnv
 from trace_mega.learner.parallel import free_port
 from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.collector import RolloutCollector
@@ -49,6 +50,7 @@ def _trees_as_dicts(trees):
 def test_episodes_do_not_depend_on_which_call_or_process_runs_them():
     """One call over 4 prompts == two calls over 2 prompts each (with the prompts' global keys),
     each on a fresh environment and engine, as two replicas would run them; same for continuations."""
+
     def loop():
         env = SyntheticToolsEnv(seed=5)
         return env, AgentLoop(env, ScriptedEngine(walker(env.tokenizer)), env.tokenizer, CFG)
@@ -88,13 +90,17 @@ def _worker(rank: int, port: int, counts: list[int], fail_rank: int, out: dict) 
         env = SyntheticToolsEnv(seed=5)
         engine = (_FailingEngine if rank == fail_rank else ScriptedEngine)(walker(env.tokenizer))
         col = RolloutCollector(env, engine, env.tokenizer, CFG, tool_timeout_s=5.0, layout=ReplicaLayout.from_world())
-        tasks = env.tasks()[:len(counts)]
+        tasks = env.tasks()[: len(counts)]
         batch = StepBatch.from_prompts(0, tasks, col.prompt_ids(tasks))
         batch.rollouts = torch.tensor(counts)
         col.begin_step(0)
         try:
             col.roll_out(batch, seed=3)
-            out[rank] = {"trees": _trees_as_dicts(batch.trees), "owner": col.tree_replica, "metrics": col.step_metrics()}
+            out[rank] = {
+                "trees": _trees_as_dicts(batch.trees),
+                "owner": col.tree_replica,
+                "metrics": col.step_metrics(),
+            }
         except ReplicaError as exc:
             out[rank] = {"error": str(exc)}
     except Exception:  # noqa: BLE001
@@ -118,12 +124,14 @@ def test_two_replicas_share_trees_and_a_failure_fails_every_rank():
     assert res[0]["trees"] == res[1]["trees"] and res[0]["owner"] == res[1]["owner"] == [1, 0, 1]
     env = SyntheticToolsEnv(seed=5)
     ref = AgentLoop(env, ScriptedEngine(walker(env.tokenizer)), env.tokenizer, CFG).rollout(
-        [env.tasks()[i] for i in (0, 2, 3)], [2, 3, 1], seed=3, keys=[0, 2, 3])
+        [env.tasks()[i] for i in (0, 2, 3)], [2, 3, 1], seed=3, keys=[0, 2, 3]
+    )
     assert res[0]["trees"] == _trees_as_dicts(ref)  # one process rolling everything out: the same trees
     m = res[0]["metrics"]
     assert m["rollout/replicas_generating"] == 2 and m["rollout/replica_trajectories_min"] == 3
     assert m["rollout/replica_trajectories_max"] == 3 and m == res[1]["metrics"] | {
-        k: v for k, v in m.items() if k.endswith("_s") or "seconds" in k}
+        k: v for k, v in m.items() if k.endswith("_s") or "seconds" in k
+    }
 
     lonely = _spawn([5, 0, 0, 0])  # replica 1 gets no prompt: fine
     assert lonely[1]["metrics"]["rollout/replicas_generating"] == 1 and lonely[1]["owner"] == [0]
@@ -145,8 +153,9 @@ def _hang_worker(rank: int, port: int, out: dict) -> None:
     from trace_mega.config import ParallelConfig
     from trace_mega.learner.parallel import destroy_parallel, init_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     init_parallel(ParallelConfig(device="cpu", collective_timeout_s=5.0), seed=0)
     env = SyntheticToolsEnv(seed=5)
@@ -185,8 +194,16 @@ def test_layout_from_the_learner_groups():
 
     def g(rank, world, tp, pp=1):
         dp = world // (tp * pp)
-        return SimpleNamespace(rank=rank, world_size=world, tp_size=tp, pp_size=pp, tp_rank=rank % tp,
-                               pp_rank=rank // (tp * dp), dp_rank=(rank // tp) % dp, dp_size=dp)
+        return SimpleNamespace(
+            rank=rank,
+            world_size=world,
+            tp_size=tp,
+            pp_size=pp,
+            tp_rank=rank % tp,
+            pp_rank=rank // (tp * dp),
+            dp_rank=(rank // tp) % dp,
+            dp_size=dp,
+        )
 
     # TP 2 on 8 ranks: a replica per TP group (= per DP rank), led by its first rank.
     assert [ReplicaLayout.from_groups(g(r, 8, 2)).replica for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -1,9 +1,9 @@
 """The `torch` rollout engine on a tiny random Qwen3: exactness, seeded reuse-invariance, cache hits, weight sync."""
+
 import copy
 
 import pytest
 import torch
-
 import transformers
 
 from trace_mega.config import RolloutConfig
@@ -13,9 +13,16 @@ from trace_mega.rollout.engines import ENGINES, EngineSetup, PrefixKVCache, Samp
 def tiny_qwen3(seed: int, **overrides):
     """2 layers, GQA 4/2 heads, head_dim 32; init std 0.2 so logits are peaked (no greedy near-ties)."""
     cfg = transformers.Qwen3Config(
-        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, initializer_range=0.2,
-        max_position_embeddings=512, **overrides,
+        vocab_size=384,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        initializer_range=0.2,
+        max_position_embeddings=512,
+        **overrides,
     )
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -31,7 +38,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [5, 6, 7, 8, 9, 10, 20, 21, 22, 23
 
 def hf_greedy(model, prefix, n):
     out = model.generate(torch.tensor([prefix]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prefix):].tolist()
+    return out[0, len(prefix) :].tolist()
 
 
 def test_registry_builds_torch_engine(model):
@@ -43,10 +50,18 @@ def test_build_engine_runs_the_entry_launch_on_every_rank(model, tmp_path):
     written = []
 
     def setup(engine, host):
-        return EngineSetup(rollout=RolloutConfig(engine=engine, enable_prefix_caching=False), seed=0, dtype="float32",
-                           eos_token_ids=[7], device=torch.device("cpu"), policy_config=model.config,
-                           checkpoint_dir=None, write_checkpoint=lambda d: written.append(d) or d,
-                           work_dir=tmp_path, host=host)
+        return EngineSetup(
+            rollout=RolloutConfig(engine=engine, enable_prefix_caching=False),
+            seed=0,
+            dtype="float32",
+            eos_token_ids=[7],
+            device=torch.device("cpu"),
+            policy_config=model.config,
+            checkpoint_dir=None,
+            write_checkpoint=lambda d: written.append(d) or d,
+            work_dir=tmp_path,
+            host=host,
+        )
 
     eng = build_engine(setup("torch", host=True))
     assert isinstance(eng, TorchEngine) and eng.eos_token_ids == [7] and not eng.enable_prefix_caching
@@ -88,12 +103,18 @@ def _tree_workload(eng, seed):
     prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
     bare = eng.generate(prompts, sp)
     nodes = [p + c.token_ids[:3] + [50, 51] for p, c in zip(prompts, bare)]  # turn 1 + observation
-    conts = eng.generate([n for n in nodes for _ in range(4)], SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed + 100))
+    conts = eng.generate(
+        [n for n in nodes for _ in range(4)], SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed + 100)
+    )
     return bare + conts, prompts + [n for n in nodes for _ in range(4)]
 
 
 def test_seeded_samples_identical_with_and_without_prefix_reuse(model):
-    reuse, plain, tiny_batches = TorchEngine(model), TorchEngine(model, enable_prefix_caching=False), TorchEngine(model, max_batch_size=1)
+    reuse, plain, tiny_batches = (
+        TorchEngine(model),
+        TorchEngine(model, enable_prefix_caching=False),
+        TorchEngine(model, max_batch_size=1),
+    )
     a, prefixes = _tree_workload(reuse, 7)
     b, _ = _tree_workload(plain, 7)
     c, _ = _tree_workload(tiny_batches, 7)
@@ -212,9 +233,18 @@ def test_update_weights_fills_fused_moe_experts_from_per_expert_names(tmp_path):
     them per expert. A per-expert state dict makes the engine's model equal to the saved one."""
     from safetensors.torch import load_file
 
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                      num_experts=4, num_experts_per_tok=2)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     saved = load_file(tmp_path / "model.safetensors")

@@ -1,4 +1,5 @@
 """RolloutTree operations, JSONL round trip, and the packed / flattened layouts."""
+
 import json
 import random
 
@@ -13,8 +14,14 @@ from trace_mega.rollout.tree import Node, RolloutTree, extend, load_jsonl, pack,
 def turn(gen, obs=(), lp0=-0.5, kind="tool", **kw):
     """A turn node: generated tokens (loss 1, log-probs lp0, lp0-1, …) then observation tokens."""
     gen, obs = list(gen), list(obs)
-    return Node(-1, gen + obs, [1] * len(gen) + [0] * len(obs),
-                [lp0 - i for i in range(len(gen))] + [0.0] * len(obs), kind=kind, **kw)
+    return Node(
+        -1,
+        gen + obs,
+        [1] * len(gen) + [0] * len(obs),
+        [lp0 - i for i in range(len(gen))] + [0.0] * len(obs),
+        kind=kind,
+        **kw,
+    )
 
 
 def hand_tree():
@@ -26,7 +33,13 @@ def hand_tree():
     t.add_path(a, [turn([40, 41], kind="final")], reward=1.0)
     e = t.add_node(0, turn([], []))  # a node with no tokens at all
     t.add_path(e, [turn([60], kind="final")], reward=0.0)
-    t.add_path(e, [turn([70, 71], [72]), ], reward=0.0)
+    t.add_path(
+        e,
+        [
+            turn([70, 71], [72]),
+        ],
+        reward=0.0,
+    )
     return t
 
 
@@ -99,8 +112,9 @@ def random_tree(rng: random.Random, name: str, max_nodes: int = 12) -> RolloutTr
     for _ in range(rng.randrange(1, max_nodes)):
         parent = rng.choice(open_nodes)
         n_gen, n_obs = rng.randrange(0, 4), rng.randrange(0, 3)
-        node = turn([rng.randrange(100) for _ in range(n_gen)], [rng.randrange(100) for _ in range(n_obs)],
-                    lp0=-rng.random())
+        node = turn(
+            [rng.randrange(100) for _ in range(n_gen)], [rng.randrange(100) for _ in range(n_obs)], lp0=-rng.random()
+        )
         nid = t.add_node(parent, node)
         open_nodes.append(nid)
     for nid in range(1, len(t)):
@@ -257,8 +271,10 @@ def grow(rng: random.Random, trees, max_paths: int = 3) -> None:
     for t in trees:
         for _ in range(rng.randrange(0, max_paths + 1)):
             parent = rng.choice([i for i, n in enumerate(t.nodes) if n.reward is None])
-            steps = [turn([rng.randrange(100) for _ in range(rng.randrange(0, 3))], [rng.randrange(100)] * rng.randrange(2))
-                     for _ in range(rng.randrange(1, 3))]
+            steps = [
+                turn([rng.randrange(100) for _ in range(rng.randrange(0, 3))], [rng.randrange(100)] * rng.randrange(2))
+                for _ in range(rng.randrange(1, 3))
+            ]
             t.add_path(parent, steps, float(rng.random() < 0.5))
 
 
@@ -266,7 +282,9 @@ def grow(rng: random.Random, trees, max_paths: int = 3) -> None:
 @given(st.integers(0, 2**32 - 1), st.integers(0, 3))
 def test_extend_equals_a_fresh_pack(seed, num_trees):
     rng = random.Random(seed)
-    trees = [random_tree(rng, f"t{k}") if rng.random() < 0.7 else RolloutTree(f"r{k}", [1, 2]) for k in range(num_trees)]
+    trees = [
+        random_tree(rng, f"t{k}") if rng.random() < 0.7 else RolloutTree(f"r{k}", [1, 2]) for k in range(num_trees)
+    ]
     p = pack(trees)
     grow(rng, trees)
     grown = extend(p, trees)
@@ -300,8 +318,9 @@ def test_select_equals_the_pack_of_the_subset(seed, num_trees):
     assert torch.equal(p.select(keep).advantages, p.advantages[p.tree_tokens(keep)])
 
 
-def realistic_tree(rng: random.Random, name: str, bare: int, branches: int, turns: int,
-                   prompt_len: int, gen_len: int, obs_len: int) -> RolloutTree:
+def realistic_tree(
+    rng: random.Random, name: str, bare: int, branches: int, turns: int, prompt_len: int, gen_len: int, obs_len: int
+) -> RolloutTree:
     """`bare` rollouts of `turns` turns, each branched `branches` times at a uniformly chosen intermediate turn."""
 
     def episode(parent: int, first_turn: int) -> None:
@@ -333,12 +352,16 @@ def test_compression_ratio_realistic_batch():
     reported in docs/rollout.md.
     """
     rng = random.Random(0)
-    trees = [realistic_tree(rng, f"q{i}", bare=8, branches=4, turns=6, prompt_len=400, gen_len=120, obs_len=300)
-             for i in range(8)]
+    trees = [
+        realistic_tree(rng, f"q{i}", bare=8, branches=4, turns=6, prompt_len=400, gen_len=120, obs_len=300)
+        for i in range(8)
+    ]
     p = pack(trees)
     brute = sum(len(t.prefix_token_ids(leaf)) for t in trees for leaf in t.leaves())
     assert p.flattened_num_tokens() == brute
     ratio = p.compression_ratio()
-    print(f"\nrealistic batch: {p.leaf_nodes.numel()} trajectories, packed {p.num_tokens} tokens, "
-          f"flattened {brute} tokens, compression {ratio:.2f}x")
+    print(
+        f"\nrealistic batch: {p.leaf_nodes.numel()} trajectories, packed {p.num_tokens} tokens, "
+        f"flattened {brute} tokens, compression {ratio:.2f}x"
+    )
     assert 2.0 < ratio < 3.0  # branches share on average half of a trajectory plus the prompt

@@ -6,6 +6,7 @@ vLLM starts from its `save_hf` checkpoint and receives `export_hf` streams.
 Run by .ci/vllm_stage.sh in .venv-vllm; skipped where vLLM is not importable.
 One module-scoped LLM serves every test (each vLLM start costs ~30 s here).
 """
+
 import os
 import subprocess
 import sys
@@ -58,7 +59,11 @@ def torch_engine(models, policy: str) -> TorchEngine:
 def engine(models):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     eng = ENGINES.get("vllm")(
-        models["dir"], dtype="float32", max_model_len=256, max_num_seqs=8, block_size=BLOCK,
+        models["dir"],
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        block_size=BLOCK,
     )
     yield eng
     eng.close()

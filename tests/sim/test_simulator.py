@@ -1,11 +1,21 @@
 """The tree simulator's ground truth, the predictors, and the step metrics."""
+
 import pytest
 import torch
 
 from trace_mega.allocation import build_allocator
 from trace_mega.config import AllocationConfig
-from trace_mega.sim import (LearnedPredictor, NoisyPredictor, OraclePredictor, SimConfig, TreeSimulator,
-                            build_predictor, run_allocator, simulate_step, summarize)
+from trace_mega.sim import (
+    LearnedPredictor,
+    NoisyPredictor,
+    OraclePredictor,
+    SimConfig,
+    TreeSimulator,
+    build_predictor,
+    run_allocator,
+    simulate_step,
+    summarize,
+)
 
 
 def test_prompt_prior_is_u_shaped_and_seeded():
@@ -70,8 +80,14 @@ def test_noisy_predictor_is_calibrated_at_roots():
 
 
 def _cfg(name):
-    return AllocationConfig(name=name, prompts_per_step=128, root_rollouts_per_step=128, rollouts_per_prompt_max=8,
-                            group_size=4, continuations_per_rollout=1.0)
+    return AllocationConfig(
+        name=name,
+        prompts_per_step=128,
+        root_rollouts_per_step=128,
+        rollouts_per_prompt_max=8,
+        group_size=4,
+        continuations_per_rollout=1.0,
+    )
 
 
 def test_step_metrics_match_a_direct_recount():
@@ -83,13 +99,18 @@ def test_step_metrics_match_a_direct_recount():
     mixed = (res.prompt_successes > 0) & (res.prompt_successes < res.prompt_leaves)
     assert met["active_prompts"] == int(active.sum()) and met["contrasted_prompts"] == int((active & mixed).sum())
     assert met["effective_ratio"] == pytest.approx(met["contrasted_prompts"] / met["active_prompts"])
-    assert met["branch_points"] == int((res.K > 0).sum()) and 0 <= met["contrasted_branch_groups"] <= met["branch_points"]
+    assert (
+        met["branch_points"] == int((res.K > 0).sum()) and 0 <= met["contrasted_branch_groups"] <= met["branch_points"]
+    )
 
 
 def test_branch_group_count_by_brute_force():
     sim = TreeSimulator(SimConfig(turns=3), seed=5)
-    alloc = build_allocator(AllocationConfig(name="treepo", prompts_per_step=8, root_rollouts_per_step=8,
-                                             group_size=2, continuations_per_rollout=2.0))
+    alloc = build_allocator(
+        AllocationConfig(
+            name="treepo", prompts_per_step=8, root_rollouts_per_step=8, group_size=2, continuations_per_rollout=2.0
+        )
+    )
     # Re-run the step's random draws by hand with an identical simulator to recount the trees.
     twin = TreeSimulator(SimConfig(turns=3), seed=5)
     res = simulate_step(sim, alloc, OraclePredictor(), 8, torch.Generator().manual_seed(1))

@@ -6,9 +6,18 @@
 * `ALLOCATORS`, `build_allocator`, `Allocator` — uniform | pcl | treepo | trace |
   trace_global, all spending the same number of trajectories per step.
 """
+
+from trace_mega.allocation.allocators import ALLOCATORS, Allocator, build_allocator  # noqa: E402 (after the solvers)
 from trace_mega.allocation.prefix import allocate_prefixes, flip_probability, prefix_value
 from trace_mega.allocation.root import allocate_roots, root_value
-from trace_mega.allocation.allocators import ALLOCATORS, Allocator, build_allocator  # noqa: E402 (after the solvers)
 
-__all__ = ["root_value", "allocate_roots", "prefix_value", "flip_probability", "allocate_prefixes",
-           "ALLOCATORS", "Allocator", "build_allocator"]
+__all__ = [
+    "root_value",
+    "allocate_roots",
+    "prefix_value",
+    "flip_probability",
+    "allocate_prefixes",
+    "ALLOCATORS",
+    "Allocator",
+    "build_allocator",
+]

@@ -31,6 +31,7 @@ predictions spread continuations over all bare rollouts instead of the first one
 prefixes. On an accelerator the keys come from a device generator seeded from the step's
 (host) generator, so no step of a plan reads a device value back to the host.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,15 @@ from trace_mega.allocation.root import allocate_roots, spendable
 from trace_mega.config import AllocationConfig
 from trace_mega.registry import Registry
 
-__all__ = ["Allocator", "ALLOCATORS", "build_allocator", "flat_groups", "split_budget", "random_keys",
-           "clean_predictions"]
+__all__ = [
+    "Allocator",
+    "ALLOCATORS",
+    "build_allocator",
+    "flat_groups",
+    "split_budget",
+    "random_keys",
+    "clean_predictions",
+]
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +153,12 @@ class Allocator:
         self._invalid: list[torch.Tensor] = []
         if self.selection_is_a_no_op() and self.name not in _WARNED:
             _WARNED.add(self.name)
-            log.warning("allocation.name=%s: the budget serves every one of the %d candidate prompts, so its "
-                        "prompt selection is a no-op; raise allocation.prompts_per_step", self.name,
-                        cfg.prompts_per_step)
+            log.warning(
+                "allocation.name=%s: the budget serves every one of the %d candidate prompts, so its "
+                "prompt selection is a no-op; raise allocation.prompts_per_step",
+                self.name,
+                cfg.prompts_per_step,
+            )
 
     def selection_is_a_no_op(self) -> bool:
         """Whether the budget covers every candidate prompt (nothing is selected)."""
@@ -170,13 +181,20 @@ class Allocator:
         """m (B,) long: bare rollouts per candidate prompt."""
         raise NotImplementedError
 
-    def plan_prefixes(self, v_prefix: torch.Tensor, r: torch.Tensor, group: torch.Tensor, m: torch.Tensor,
-                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def plan_prefixes(
+        self,
+        v_prefix: torch.Tensor,
+        r: torch.Tensor,
+        group: torch.Tensor,
+        m: torch.Tensor,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
         """K (P,) long: continuations per candidate prefix (prompt `group[p]`, bare outcome `r[p]`)."""
         return torch.zeros_like(group, dtype=torch.long)
 
-    def plan_root_continuations(self, m: torch.Tensor, k: torch.Tensor,
-                                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def plan_root_continuations(
+        self, m: torch.Tensor, k: torch.Tensor, generator: Optional[torch.Generator] = None
+    ) -> torch.Tensor:
         """extra (B,) long: fresh rollouts (continuations from the root) for the budget no prefix could take."""
         return torch.zeros_like(m)
 
@@ -191,8 +209,9 @@ class Allocator:
 
     def _counterpart(self, name: str) -> "Allocator":
         """Allocator `name` on the same budget and solver options."""
-        return ALLOCATORS.get(name)(dataclasses.replace(self.cfg, name=name), check=self.check,
-                                    max_group_size=self.max_group_size)
+        return ALLOCATORS.get(name)(
+            dataclasses.replace(self.cfg, name=name), check=self.check, max_group_size=self.max_group_size
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(trajectories_per_step={self.trajectories_per_step})"
@@ -208,8 +227,7 @@ class _Flat(Allocator):
         raise NotImplementedError
 
     def plan_roots(self, v_root, generator=None):
-        return flat_groups(self._order(self._clean(v_root), generator), self.trajectories_per_step,
-                           self.cfg.group_size)
+        return flat_groups(self._order(self._clean(v_root), generator), self.trajectories_per_step, self.cfg.group_size)
 
 
 @ALLOCATORS.register("uniform")
@@ -270,8 +288,11 @@ class _Tree(Allocator):
         left = (self.continuation_budget - k.sum()).clamp(min=0)  # 0-d, on the device
         active = m > 0
         n = active.sum().clamp(min=1)
-        keys = random_keys(m.numel(), generator, m.device) if generator is not None else \
-            torch.arange(m.numel(), dtype=torch.float64, device=m.device)
+        keys = (
+            random_keys(m.numel(), generator, m.device)
+            if generator is not None
+            else torch.arange(m.numel(), dtype=torch.float64, device=m.device)
+        )
         keys = torch.where(active, keys, torch.full_like(keys, torch.inf))  # active prompts first
         rank = torch.empty_like(m)
         rank[torch.argsort(keys)] = torch.arange(m.numel(), device=m.device)
@@ -316,8 +337,16 @@ class TreePOAllocator(_Tree):
     def _extend(self, v, r, group, k, leftover):
         # Equal flip probabilities make the exact solver a water-filling: fewest continuations first.
         half = torch.full_like(v, 0.5)
-        return allocate_prefixes(half, torch.ones_like(half), torch.zeros_like(group), leftover,
-                                 self.cfg.continuations_per_prefix_max, pool="global", check=False, taken=k)
+        return allocate_prefixes(
+            half,
+            torch.ones_like(half),
+            torch.zeros_like(group),
+            leftover,
+            self.cfg.continuations_per_prefix_max,
+            pool="global",
+            check=False,
+            taken=k,
+        )
 
 
 @ALLOCATORS.register("trace")
@@ -334,13 +363,17 @@ class TraceAllocator(_Tree):
     def __init__(self, cfg: AllocationConfig, **kwargs) -> None:
         M, Mmax, B = cfg.root_rollouts_per_step, cfg.rollouts_per_prompt_max, cfg.prompts_per_step
         if M > B * Mmax:
-            raise ValueError(f"{self.name}: root budget {M} exceeds prompts_per_step * rollouts_per_prompt_max "
-                             f"= {B * Mmax}; it could not spend the equal budget")
+            raise ValueError(
+                f"{self.name}: root budget {M} exceeds prompts_per_step * rollouts_per_prompt_max "
+                f"= {B * Mmax}; it could not spend the equal budget"
+            )
         if Mmax == 2 and M % 2:
             raise ValueError(f"{self.name}: odd root budget {M} cannot be spent with rollouts_per_prompt_max = 2")
         if not spendable(M, cfg.rollouts_per_prompt_min, Mmax):
-            raise ValueError(f"{self.name}: root budget {M} cannot be spent in groups of "
-                             f"{cfg.rollouts_per_prompt_min}..{Mmax} (rollouts_per_prompt_min)")
+            raise ValueError(
+                f"{self.name}: root budget {M} cannot be spent in groups of "
+                f"{cfg.rollouts_per_prompt_min}..{Mmax} (rollouts_per_prompt_min)"
+            )
         super().__init__(cfg, **kwargs)
 
     def selection_is_a_no_op(self) -> bool:
@@ -361,19 +394,40 @@ class TraceAllocator(_Tree):
         while n and not spendable(self.root_budget - lo * n, lo, hi):  # e.g. a budget of 1 is infeasible
             n -= 1
         explored = torch.arange(v.numel(), device=v.device) >= v.numel() - n
-        m = allocate_roots(torch.where(explored, torch.zeros_like(v), v), self.root_budget - lo * n, hi,
-                           check=self.check, min_rollouts=lo)
+        m = allocate_roots(
+            torch.where(explored, torch.zeros_like(v), v),
+            self.root_budget - lo * n,
+            hi,
+            check=self.check,
+            min_rollouts=lo,
+        )
         m = (m + lo * explored.long()).clamp(max=hi) if n else m
         return _unpermute(m, perm)
 
     def _local(self, v, r, group, m, generator):
         budget = self.prefix_budgets(m.to(v.device))
-        return allocate_prefixes(v, r, group, budget, self.cfg.continuations_per_prefix_max, pool=self.pool,
-                                 check=self.check, max_group_size=self.max_group_size)
+        return allocate_prefixes(
+            v,
+            r,
+            group,
+            budget,
+            self.cfg.continuations_per_prefix_max,
+            pool=self.pool,
+            check=self.check,
+            max_group_size=self.max_group_size,
+        )
 
     def _extend(self, v, r, group, k, leftover):
-        return allocate_prefixes(v, r, torch.zeros_like(group), leftover, self.cfg.continuations_per_prefix_max,
-                                 pool="global", check=False, taken=k)
+        return allocate_prefixes(
+            v,
+            r,
+            torch.zeros_like(group),
+            leftover,
+            self.cfg.continuations_per_prefix_max,
+            pool="global",
+            check=False,
+            taken=k,
+        )
 
 
 @ALLOCATORS.register("trace_global")

@@ -18,6 +18,7 @@ prefix gets its cap and the group spends less (the result then sums to
 the group. Ties go to the lower prefix index (the allocators break them at random by
 permuting the prefixes first).
 """
+
 from __future__ import annotations
 
 from typing import Literal, Optional
@@ -78,7 +79,9 @@ def allocate_prefixes(
             and `max_per_prefix` bounds taken_p + new. Returns the new units only.
     """
     if v.dim() != 1 or r.shape != v.shape or group.shape != v.shape:
-        raise ValueError(f"v, r, group must be 1-D of one shape; got {tuple(v.shape)}, {tuple(r.shape)}, {tuple(group.shape)}")
+        raise ValueError(
+            f"v, r, group must be 1-D of one shape; got {tuple(v.shape)}, {tuple(r.shape)}, {tuple(group.shape)}"
+        )
     if max_per_prefix is not None and max_per_prefix < 0:
         raise ValueError(f"max_per_prefix must be >= 0 or None, got {max_per_prefix}")
     dev = v.device
@@ -110,5 +113,12 @@ def allocate_prefixes(
         cap = torch.clamp(cap, max=max_per_prefix)
     elif max_per_prefix is not None:  # the cap bounds taken + new
         cap = torch.minimum(cap, torch.clamp(max_per_prefix - taken.to(dev, torch.long), min=0))
-    return segmented_threshold(flip, grp, bud, cap, backend=backend, max_group_size=max_group_size,
-                               taken=None if taken is None else taken.to(dev, torch.long))
+    return segmented_threshold(
+        flip,
+        grp,
+        bud,
+        cap,
+        backend=backend,
+        max_group_size=max_group_size,
+        taken=None if taken is None else taken.to(dev, torch.long),
+    )

@@ -45,6 +45,7 @@ allocation exists). With budget >= B * max_rollouts every prompt gets
 max_rollouts, so the result sums to less than the budget. NaN, or v outside
 [0, 1], raises ValueError.
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,7 +64,7 @@ def root_value(v: torch.Tensor, m: torch.Tensor | int) -> torch.Tensor:
     v = torch.as_tensor(v)
     v = v if v.is_floating_point() else v.to(torch.get_default_dtype())
     m = torch.as_tensor(m, device=v.device)
-    val = 1.0 - v ** m - (1.0 - v) ** m
+    val = 1.0 - v**m - (1.0 - v) ** m
     return torch.where(m == 0, torch.zeros_like(val), val)
 
 
@@ -83,7 +84,9 @@ def _check_budget(budget: int, max_rollouts: int, capacity: int, min_rollouts: i
     if max_rollouts == 2 and budget % 2 == 1 and budget < capacity:
         raise ValueError(f"odd budget {budget} cannot be spent exactly with max_rollouts = 2 (every m_i is 0 or 2)")
     if min_rollouts > 2 and 0 < budget < capacity and not spendable(budget, min_rollouts, max_rollouts):
-        raise ValueError(f"budget {budget} cannot be spent exactly with m_i in {{0}} ∪ {{{min_rollouts}..{max_rollouts}}}")
+        raise ValueError(
+            f"budget {budget} cannot be spent exactly with m_i in {{0}} ∪ {{{min_rollouts}..{max_rollouts}}}"
+        )
 
 
 def spendable(budget: int, min_rollouts: int, max_rollouts: int) -> bool:
@@ -92,8 +95,9 @@ def spendable(budget: int, min_rollouts: int, max_rollouts: int) -> bool:
     return budget == 0 or n * min_rollouts <= budget
 
 
-def allocate_roots(v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: int, *, check: bool = True,
-                   min_rollouts: int = 2) -> torch.Tensor:
+def allocate_roots(
+    v: torch.Tensor, budget: int | torch.Tensor, max_rollouts: int, *, check: bool = True, min_rollouts: int = 2
+) -> torch.Tensor:
     """Exact maximiser m (LongTensor[B], on v's device) of sum_i root_value(v_i, m_i) (see the module doc).
 
     Args:
@@ -187,6 +191,6 @@ def _roots_dp(v: torch.Tensor, budget: int, min_rollouts: int, max_rollouts: int
     left = torch.full((), budget, dtype=torch.long, device=dev)
     for i in range(B - 1, -1, -1):  # the backtrack, on the device
         m_i = took[i].gather(0, left.view(1))  # a 0-d index tensor would be read to the host
-        m[i:i + 1] = m_i
+        m[i : i + 1] = m_i
         left = left - m_i[0]
     return m

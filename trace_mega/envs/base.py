@@ -10,6 +10,7 @@ that turn, so states are forked with `fork` (a deep copy of the env's own
 data unless the env knows better, e.g. replaying tool calls; the task and the
 recorded tool calls are shared, never copied).
 """
+
 from __future__ import annotations
 
 import copy

@@ -25,6 +25,7 @@ Episode protocol (BFCL tasks have several user turns):
   re-executes calls with `eval`; it is only given strings rebuilt here from a
   method name of the involved classes and `repr`s of literal argument values.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,9 +44,7 @@ from typing import Any, Callable, Optional
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
 
 CATEGORIES = ("base", "long_context", "miss_func", "miss_param")
-ADDITIONAL_FUNCTION_PROMPT = (
-    "{functions}\nI have updated some more functions you can choose from. What about now?"
-)
+ADDITIONAL_FUNCTION_PROMPT = "{functions}\nI have updated some more functions you can choose from. What about now?"
 SYSTEM_PROMPT = (
     "You are an expert in composing functions. You are given a user request and a set of "
     "functions (tools). Make one or more tool calls to fulfil the request. If none of the "
@@ -332,8 +331,9 @@ class BFCLMultiTurnEnv(Env):
         held = state.task.meta["held_out_docs"].get(data["turn"])
         if held:
             data["tools"] = data["tools"] + [openai_tool(d) for d in held]
-            return [{"role": "user", "content": ADDITIONAL_FUNCTION_PROMPT.format(
-                functions=json.dumps(held, indent=2))}]
+            return [
+                {"role": "user", "content": ADDITIONAL_FUNCTION_PROMPT.format(functions=json.dumps(held, indent=2))}
+            ]
         return [dict(m) for m in entry["question"][data["turn"]]]
 
     def reward(self, state: EpisodeState, final_answer: Optional[str]) -> float:
@@ -346,8 +346,7 @@ class BFCLMultiTurnEnv(Env):
 
     def fork(self, state: EpisodeState) -> EpisodeState:
         """Deep-copies the simulators and per-turn records; the task is shared."""
-        return EpisodeState(task=state.task, data=copy.deepcopy(state.data),
-                            history=list(state.history))
+        return EpisodeState(task=state.task, data=copy.deepcopy(state.data), history=list(state.history))
 
 
 def official_check(entry: dict, turn_calls: list[list[str]]) -> dict:

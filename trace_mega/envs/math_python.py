@@ -18,6 +18,7 @@ A split may join several files (one per benchmark: AIME24, AMC23, MATH500, ...);
 each task's `meta["source"]` names its benchmark. Ten problems ship in
 `trace_mega/data/math/problems.jsonl`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -124,8 +125,9 @@ def load_math(path: str | Path, source: Optional[str] = None) -> list[Task]:
             raise ValueError(f"{path}:{n + 1}: a math row needs one of the fields {', '.join(PROBLEM_FIELDS)}")
         answer = _answer_text(row)
         if answer is None:
-            raise ValueError(f"{path}:{n + 1}: no answer field ({', '.join(ANSWER_FIELDS)}) "
-                             "and no \\boxed{} in 'solution'")
+            raise ValueError(
+                f"{path}:{n + 1}: no answer field ({', '.join(ANSWER_FIELDS)}) and no \\boxed{{}} in 'solution'"
+            )
         meta = {k: row[k] for k in ("level", "type", "subject", "unique_id") if k in row}
         meta["source"] = str(source or row.get("data_source") or row.get("source") or path.stem)
         key = next((k for k in ID_FIELDS if row.get(k) is not None), None)
@@ -133,14 +135,15 @@ def load_math(path: str | Path, source: Optional[str] = None) -> list[Task]:
             task_id = str(row[key])
         else:
             task_id = f"{path.stem}-{row[key] if key else n}"
-        tasks.append(Task(
-            task_id=task_id,
-            messages=[{"role": "system", "content": SYSTEM_PROMPT},
-                      {"role": "user", "content": problem}],
-            tools=[PYTHON_TOOL],
-            gold_answer=answer,
-            meta=meta,
-        ))
+        tasks.append(
+            Task(
+                task_id=task_id,
+                messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}],
+                tools=[PYTHON_TOOL],
+                gold_answer=answer,
+                meta=meta,
+            )
+        )
     return tasks
 
 
@@ -155,16 +158,14 @@ def math_reward(gold: str, final_answer: Optional[str]) -> float:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     limit = 5 if threading.current_thread() is threading.main_thread() else None
-    gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=[LatexExtractionConfig()],
-                        parsing_timeout=limit)
+    gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=[LatexExtractionConfig()], parsing_timeout=limit)
     answer = final_answer.strip()
     boxed = last_boxed(answer)
     if boxed is not None:
         answer = "\\boxed{" + boxed + "}"
     elif "$" not in answer:
         answer = "$" + answer + "$"
-    pred = parse(answer, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                 parsing_timeout=limit)
+    pred = parse(answer, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=limit)
     if not gold_parsed or not pred:
         return 0.0
     return 1.0 if verify(gold_parsed, pred, timeout_seconds=limit) else 0.0

@@ -13,6 +13,7 @@ passages written for the project) and `questions.jsonl` (19 two-hop bridge
 questions whose answer sits in a passage reached only through an entity named
 in the first one, and 7 comparison questions needing one passage per entity).
 """
+
 from __future__ import annotations
 
 import collections
@@ -46,8 +47,12 @@ def search_tool(max_k: int) -> dict:
                 "type": "object",
                 "properties": {
                     "query": {"type": "string", "description": "What to search for."},
-                    "k": {"type": "integer", "description": f"How many passages (1-{max_k}).",
-                          "minimum": 1, "maximum": max_k},
+                    "k": {
+                        "type": "integer",
+                        "description": f"How many passages (1-{max_k}).",
+                        "minimum": 1,
+                        "maximum": max_k,
+                    },
                 },
                 "required": ["query"],
             },
@@ -115,8 +120,7 @@ class BM25Retriever:
 
         self._bm25s = bm25s
         self.passages = list(passages)
-        tokens = bm25s.tokenize([f"{p.title}. {p.text}" for p in self.passages],
-                                stopwords="en", show_progress=False)
+        tokens = bm25s.tokenize([f"{p.title}. {p.text}" for p in self.passages], stopwords="en", show_progress=False)
         self.index = bm25s.BM25()
         self.index.index(tokens, show_progress=False)
         self._lock = threading.Lock()
@@ -137,20 +141,24 @@ class DenseRetriever:
     inner-product index; the GPU path. Needs CUDA and `faiss` (the project's `gpu` extra).
     """
 
-    def __init__(self, passages: Sequence[Passage], model: str = "intfloat/e5-base-v2",
-                 batch_size: int = 128, device: str = "cuda") -> None:
+    def __init__(
+        self,
+        passages: Sequence[Passage],
+        model: str = "intfloat/e5-base-v2",
+        batch_size: int = 128,
+        device: str = "cuda",
+    ) -> None:
         try:
             import faiss
         except ImportError as err:
-            raise ImportError(
-                "dense retrieval needs faiss: pip install 'trace-mega[gpu]' (faiss-gpu-cu12)"
-            ) from err
+            raise ImportError("dense retrieval needs faiss: pip install 'trace-mega[gpu]' (faiss-gpu-cu12)") from err
         import torch
         from transformers import AutoModel, AutoTokenizer
 
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise RuntimeError("dense retrieval (E5 + FAISS) is the GPU path and needs CUDA; "
-                               "use retriever='bm25' on CPU")
+            raise RuntimeError(
+                "dense retrieval (E5 + FAISS) is the GPU path and needs CUDA; use retriever='bm25' on CPU"
+            )
         self.torch, self.device, self.batch_size = torch, device, batch_size
         self.passages = list(passages)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
@@ -170,8 +178,9 @@ class DenseRetriever:
         out = []
         with self.torch.inference_mode():
             for at in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[at:at + self.batch_size], padding=True, truncation=True,
-                                       max_length=512, return_tensors="pt").to(self.device)
+                batch = self.tokenizer(
+                    texts[at : at + self.batch_size], padding=True, truncation=True, max_length=512, return_tensors="pt"
+                ).to(self.device)
                 hidden = self.model(**batch).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(1) / mask.sum(1)
@@ -205,18 +214,36 @@ def _context_passages(context: list) -> list[dict]:
 
 def load_hotpotqa(path: str | Path) -> list[Task]:
     """HotpotQA: `_id`, `question`, `answer`, `type`, `level`, `supporting_facts`, `context`."""
-    return [_task(r.get("_id", n), r["question"], [r["answer"]], "hotpotqa", type=r.get("type"),
-                  level=r.get("level"), supporting_titles=sorted({t for t, _ in r.get("supporting_facts", [])}),
-                  context=_context_passages(r.get("context", [])))
-            for n, r in enumerate(read_records(path))]
+    return [
+        _task(
+            r.get("_id", n),
+            r["question"],
+            [r["answer"]],
+            "hotpotqa",
+            type=r.get("type"),
+            level=r.get("level"),
+            supporting_titles=sorted({t for t, _ in r.get("supporting_facts", [])}),
+            context=_context_passages(r.get("context", [])),
+        )
+        for n, r in enumerate(read_records(path))
+    ]
 
 
 def load_2wikimultihopqa(path: str | Path) -> list[Task]:
     """2WikiMultiHopQA: the HotpotQA layout plus `evidences` ([subject, relation, object])."""
-    return [_task(r.get("_id", n), r["question"], [r["answer"]], "2wikimultihopqa", type=r.get("type"),
-                  supporting_titles=sorted({t for t, _ in r.get("supporting_facts", [])}),
-                  evidences=r.get("evidences", []), context=_context_passages(r.get("context", [])))
-            for n, r in enumerate(read_records(path))]
+    return [
+        _task(
+            r.get("_id", n),
+            r["question"],
+            [r["answer"]],
+            "2wikimultihopqa",
+            type=r.get("type"),
+            supporting_titles=sorted({t for t, _ in r.get("supporting_facts", [])}),
+            evidences=r.get("evidences", []),
+            context=_context_passages(r.get("context", [])),
+        )
+        for n, r in enumerate(read_records(path))
+    ]
 
 
 def load_musique(path: str | Path) -> list[Task]:
@@ -224,19 +251,25 @@ def load_musique(path: str | Path) -> list[Task]:
     tasks = []
     for n, r in enumerate(read_records(path)):
         paragraphs = r.get("paragraphs", [])
-        tasks.append(_task(
-            r.get("id", n), r["question"], [r["answer"], *r.get("answer_aliases", [])], "musique",
-            answerable=r.get("answerable", True),
-            supporting_titles=sorted({p["title"] for p in paragraphs if p.get("is_supporting")}),
-            context=[{"title": p["title"], "text": p["paragraph_text"]} for p in paragraphs],
-        ))
+        tasks.append(
+            _task(
+                r.get("id", n),
+                r["question"],
+                [r["answer"], *r.get("answer_aliases", [])],
+                "musique",
+                answerable=r.get("answerable", True),
+                supporting_titles=sorted({p["title"] for p in paragraphs if p.get("is_supporting")}),
+                context=[{"title": p["title"], "text": p["paragraph_text"]} for p in paragraphs],
+            )
+        )
     return tasks
 
 
 def load_bamboogle(path: str | Path) -> list[Task]:
     """Bamboogle: `Question`, `Answer`."""
-    return [_task(f"bamboogle-{n}", r["Question"], [r["Answer"]], "bamboogle")
-            for n, r in enumerate(read_records(path))]
+    return [
+        _task(f"bamboogle-{n}", r["Question"], [r["Answer"]], "bamboogle") for n, r in enumerate(read_records(path))
+    ]
 
 
 def load_flashrag(path: str | Path) -> list[Task]:
@@ -257,8 +290,11 @@ def load_flashrag(path: str | Path) -> list[Task]:
 
 
 LOADERS: dict[str, Callable[[str | Path], list[Task]]] = {
-    "hotpotqa": load_hotpotqa, "2wikimultihopqa": load_2wikimultihopqa, "musique": load_musique,
-    "bamboogle": load_bamboogle, "flashrag": load_flashrag,
+    "hotpotqa": load_hotpotqa,
+    "2wikimultihopqa": load_2wikimultihopqa,
+    "musique": load_musique,
+    "bamboogle": load_bamboogle,
+    "flashrag": load_flashrag,
 }
 
 

@@ -33,6 +33,7 @@ renders observations as tool-role messages of the same template, producing
 token ids to APPEND after the generated tokens (generated tokens are never
 decoded and re-encoded).
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,16 @@ MAX_ARG_CHARS = 1 << 18
 """Characters of all strings and keys inside the arguments (256 Ki: room for long code)."""
 
 # BFCL writes a few Python type names into its JSON schemas.
-_TYPE_ALIASES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "bool": "boolean",
-                 "int": "integer", "str": "string", "any": "any"}
+_TYPE_ALIASES = {
+    "dict": "object",
+    "float": "number",
+    "tuple": "array",
+    "list": "array",
+    "bool": "boolean",
+    "int": "integer",
+    "str": "string",
+    "any": "any",
+}
 
 
 # --- JSON-schema argument validation ---------------------------------------------
@@ -264,7 +273,9 @@ def _bare_json_call(text: str) -> tuple[Optional[list[ToolCall]], int]:
         except (ValueError, RecursionError):
             continue
         items = obj if isinstance(obj, list) else [obj]
-        if items and all(isinstance(o, dict) and "name" in o and ("arguments" in o or "parameters" in o) for o in items):
+        if items and all(
+            isinstance(o, dict) and "name" in o and ("arguments" in o or "parameters" in o) for o in items
+        ):
             return _calls_from_json(obj), m.start()
     return None, -1
 
@@ -277,12 +288,12 @@ def _split_think(text: str, truncated: bool) -> tuple[str, str]:
     reasoning, rest = [], text
     if first.group() == "</think>":  # the opening tag was part of the prompt
         reasoning.append(text[: first.start()])
-        rest = text[first.end():]
+        rest = text[first.end() :]
     spans, _ = _balanced_blocks(rest, THINK_RE, "think", truncated)
     body, at = [], 0
     for a, b in spans:
         reasoning.append(rest[a:b])
-        body.append(rest[at: a - len("<think>")])
+        body.append(rest[at : a - len("<think>")])
         at = b + len("</think>")
     body.append(rest[at:])
     return "\n".join(r.strip() for r in reasoning if r.strip()), "".join(body)
@@ -295,8 +306,9 @@ def _check_count(n: int, max_calls: Optional[int]) -> None:
 
 def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool, max_calls: Optional[int]) -> ParsedTurn:
     if not raw.strip():
-        raise _ParseError("empty turn" + (" (generation truncated)" if truncated else "")
-                          + ": expected a tool call or a final answer")
+        raise _ParseError(
+            "empty turn" + (" (generation truncated)" if truncated else "") + ": expected a tool call or a final answer"
+        )
     reasoning, text = _split_think(raw, truncated)
     tool_spans, tool_at = _balanced_blocks(text, TOOL_TAG_RE, "tool_call", truncated)
     answer_spans, answer_at = _balanced_blocks(text, ANSWER_TAG_RE, "answer", truncated)
@@ -326,9 +338,9 @@ def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool, max_calls: Op
         if answer_spans:
             if len(answer_spans) > 1:
                 raise _ParseError("more than one <answer> block")
-            final, action_at = text[answer_spans[0][0]:answer_spans[0][1]].strip(), answer_at
+            final, action_at = text[answer_spans[0][0] : answer_spans[0][1]].strip(), answer_at
         else:
-            final, action_at = text[final_line.end():].strip(), final_line.start()
+            final, action_at = text[final_line.end() :].strip(), final_line.start()
         if not final:
             raise _ParseError("the final answer is empty")
     elif fence_calls:
@@ -338,8 +350,10 @@ def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool, max_calls: Op
         if bare is None:
             if truncated:
                 raise _ParseError("generation hit the token limit before a complete tool call or final answer")
-            raise _ParseError("no tool call or final answer found; call a tool with "
-                              '<tool_call>{"name": ..., "arguments": {...}}</tool_call> or answer with <answer>...</answer>')
+            raise _ParseError(
+                "no tool call or final answer found; call a tool with "
+                '<tool_call>{"name": ..., "arguments": {...}}</tool_call> or answer with <answer>...</answer>'
+            )
         calls = bare
     _check_count(len(calls), max_calls)
     specs = tool_specs(tools)
@@ -354,8 +368,9 @@ def _parse(raw: str, tools: list[dict[str, Any]], truncated: bool, max_calls: Op
     return ParsedTurn(raw=raw, thought=thought, tool_calls=calls, final_answer=final)
 
 
-def parse_turn(text: str, tools: list[dict[str, Any]], *, truncated: bool = False,
-               max_tool_calls: Optional[int] = None) -> ParsedTurn:
+def parse_turn(
+    text: str, tools: list[dict[str, Any]], *, truncated: bool = False, max_tool_calls: Optional[int] = None
+) -> ParsedTurn:
     """Parse one generated turn into thought + tool calls, a final answer, or an error.
 
     `truncated` says the generation stopped at the token limit (not at a stop
@@ -403,8 +418,12 @@ class ReactScaffold:
                 stops.add(int(tid))
         self.stop_token_ids = sorted(stops)
         # Strings the tokenizer would turn into control tokens wherever they appear in text.
-        self._control_texts = sorted({str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
-                                     | set(getattr(tokenizer, "all_special_tokens", [])), key=len, reverse=True)
+        self._control_texts = sorted(
+            {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+            | set(getattr(tokenizer, "all_special_tokens", [])),
+            key=len,
+            reverse=True,
+        )
         self._observation_text(["probe"])  # fails now, clearly, if the template cannot be cut
 
     def _ids_of(self, texts: tuple[str, ...]) -> set[int]:
@@ -425,7 +444,7 @@ class ReactScaffold:
         at = text.find(_MARKER)
         if at < 0:
             raise ValueError("the chat template drops assistant content; observations cannot be rendered from it")
-        return text[at + len(_MARKER):]
+        return text[at + len(_MARKER) :]
 
     def _observation_text(self, observations: list[str]) -> str:
         return self._continuation_text([{"role": "tool", "content": o} for o in observations])
@@ -463,7 +482,13 @@ class ReactScaffold:
         """Generated text for the parser (special tokens such as <|im_end|> dropped)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def parse(self, generated_ids: list[int], tools: list[dict[str, Any]], *, truncated: bool = False,
-              max_tool_calls: Optional[int] = None) -> ParsedTurn:
+    def parse(
+        self,
+        generated_ids: list[int],
+        tools: list[dict[str, Any]],
+        *,
+        truncated: bool = False,
+        max_tool_calls: Optional[int] = None,
+    ) -> ParsedTurn:
         """Decode and parse one generated turn."""
         return parse_turn(self.decode(generated_ids), tools, truncated=truncated, max_tool_calls=max_tool_calls)

@@ -6,6 +6,7 @@
 * JSON — a list of rows, or an object holding one under `data` / `examples`;
 * anything else — JSON Lines (one object per non-empty line).
 """
+
 from __future__ import annotations
 
 import json

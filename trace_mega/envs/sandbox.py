@@ -42,6 +42,7 @@ working directory), LANG and single-thread BLAS settings, and:
 The tool's behaviour is the same in both modes for code that does not attack
 the hook; only what stops attacking code differs.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,13 @@ WEAK_WARNING = (
     "Python audit hook. Code written to defeat the hook can read and write this user's files, reach the network "
     "and signal this process. Use isolation='bwrap' (bubblewrap, run as root) for untrusted code."
 )
-_SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 _TEARDOWN_S = 10.0  # how long the parent waits for a killed PID namespace to empty (it takes milliseconds)
 
 # Runs in the child before the cell: limits, then the audit hook, then the cell.
@@ -138,7 +144,6 @@ except BaseException as err:
     traceback.print_exception(type(err), err, err.__traceback__.tb_next)
     sys.exit(1)
 """
-
 
 
 @dataclass
@@ -268,8 +273,13 @@ class Sandbox:
             data = code.encode("utf-8")
         except UnicodeEncodeError as err:  # lone surrogates, e.g. from a JSON "\ud800" escape
             return SandboxResult(
-                f"sandbox: the code is not valid Unicode text ({err.reason}: {code[err.start:err.end]!r} at "
-                f"character {err.start}); it was not run.", None, "error", False, 0.0)
+                f"sandbox: the code is not valid Unicode text ({err.reason}: {code[err.start : err.end]!r} at "
+                f"character {err.start}); it was not run.",
+                None,
+                "error",
+                False,
+                0.0,
+            )
         with self._slots:
             return self._run_encoded(data)
 
@@ -289,8 +299,18 @@ class Sandbox:
 
     # --- one call -------------------------------------------------------------
     def _command(self, lim: SandboxLimits, nproc: int, code_fd: int) -> list[str]:
-        return [self.python, "-I", "-c", _BOOTSTRAP, str(lim.cpu_s), str(lim.memory_mb << 20),
-                str(lim.file_mb << 20), str(lim.max_open_files), str(nproc), str(code_fd)]
+        return [
+            self.python,
+            "-I",
+            "-c",
+            _BOOTSTRAP,
+            str(lim.cpu_s),
+            str(lim.memory_mb << 20),
+            str(lim.file_mb << 20),
+            str(lim.max_open_files),
+            str(nproc),
+            str(code_fd),
+        ]
 
     def _run_encoded(self, data: bytes, limits: Optional[SandboxLimits] = None) -> SandboxResult:
         code_fd = _memfd("cell", data)
@@ -315,10 +335,24 @@ class Sandbox:
         info_r, info_w = os.pipe()
         try:
             env = {**_SANDBOX_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}
-            argv = jail_argv(self.python, lease.uid, lim.disk_mb << 20, env, seccomp_fd, info_w,
-                             self._command(lim, lim.max_processes, code_fd))
-            return _supervise(argv, lim, cwd="/", env={"PATH": _SANDBOX_ENV["PATH"]},
-                              pass_fds=(code_fd, seccomp_fd, info_w), info=(info_r, info_w), uid=lease.uid)
+            argv = jail_argv(
+                self.python,
+                lease.uid,
+                lim.disk_mb << 20,
+                env,
+                seccomp_fd,
+                info_w,
+                self._command(lim, lim.max_processes, code_fd),
+            )
+            return _supervise(
+                argv,
+                lim,
+                cwd="/",
+                env={"PATH": _SANDBOX_ENV["PATH"]},
+                pass_fds=(code_fd, seccomp_fd, info_w),
+                info=(info_r, info_w),
+                uid=lease.uid,
+            )
         finally:
             for fd in (seccomp_fd, info_r):
                 os.close(fd)
@@ -330,13 +364,21 @@ def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name)
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
 
-def _supervise(argv: list[str], lim: SandboxLimits, *, cwd: str, env: dict[str, str], pass_fds: tuple[int, ...],
-               info: Optional[tuple[int, int]] = None, uid: Optional[int] = None) -> SandboxResult:
+def _supervise(
+    argv: list[str],
+    lim: SandboxLimits,
+    *,
+    cwd: str,
+    env: dict[str, str],
+    pass_fds: tuple[int, ...],
+    info: Optional[tuple[int, int]] = None,
+    uid: Optional[int] = None,
+) -> SandboxResult:
     """Start `argv`, collect its output under the limits, and stop everything it started.
 
     `info`: bwrap's --info-fd pipe (read end, write end); it reports the host pid
@@ -344,8 +386,16 @@ def _supervise(argv: list[str], lim: SandboxLimits, *, cwd: str, env: dict[str, 
     """
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=pass_fds,
+        )
     except OSError as err:
         return SandboxResult(str(err), None, "failed_to_start", False, 0.0)
     finally:
@@ -507,8 +557,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     codes = [*attacks.values(), "print(sum(range(10 ** 6)))"]
     start = time.monotonic()
     results = box.run_many(codes)
-    print(f"isolation: {box.isolation}; "
-          f"limits: {box.limits}; all {len(codes)} calls together: {time.monotonic() - start:.1f} s")
+    print(
+        f"isolation: {box.isolation}; "
+        f"limits: {box.limits}; all {len(codes)} calls together: {time.monotonic() - start:.1f} s"
+    )
     print("| attack | status | exit | wall s | last line of the observation |\n|---|---|---|---|---|")
     for name, res in zip(names, results):
         last = res.observation().strip().splitlines()[-1][:90].replace("|", "\\|")

@@ -22,6 +22,7 @@ seccomp filter (libseccomp through `pyseccomp`) refuses new user namespaces
 (`unshare`/`clone` with CLONE_NEWUSER; `clone3` reports ENOSYS so libc falls
 back to `clone`) and a few kernel interfaces a Python cell has no use for.
 """
+
 from __future__ import annotations
 
 import errno
@@ -45,8 +46,17 @@ DEFAULT_UID_BASE = 61000
 """61000-61999: inside Debian's 60000-64999 range for globally allocated system users,
 which ordinary machines leave unused. Any range of uids that no host process uses works."""
 # Kernel interfaces with no use in a Python cell and a history of privilege-escalation bugs.
-SECCOMP_REFUSED = ("keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
-                   "io_uring_setup", "io_uring_enter", "io_uring_register")
+SECCOMP_REFUSED = (
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+)
 _SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -71,9 +81,18 @@ def seccomp_program() -> bytes:
 def interpreter_paths(python: str) -> tuple[str, ...]:
     """Directories `python -I` needs (prefixes and `sys.path`), outermost only, outside /usr."""
     probe = subprocess.run(
-        [python, "-I", "-c", "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
-                             "sys.base_exec_prefix, *sys.path]))"],
-        capture_output=True, text=True, timeout=60, check=True, env={"PATH": _SANDBOX_PATH},
+        [
+            python,
+            "-I",
+            "-c",
+            "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
+            "sys.base_exec_prefix, *sys.path]))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={"PATH": _SANDBOX_PATH},
     )
     found = sorted({os.path.abspath(p) for p in json.loads(probe.stdout) if p and os.path.exists(p)}, key=len)
     kept: list[str] = []
@@ -102,8 +121,20 @@ def _mount_args(python: str, disk_bytes: int) -> list[str]:
                 made.add(parent)
                 args += ["--perms", "0755", "--dir", parent]
         args += ["--ro-bind-try" if path.startswith("/etc/") else "--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "01777", "--size", str(disk_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    args += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "01777",
+        "--size",
+        str(disk_bytes),
+        "--tmpfs",
+        "/tmp",
+        "--chdir",
+        "/tmp",
+    ]
     return args
 
 
@@ -133,8 +164,10 @@ class UidPool:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         st = os.lstat(self.dir)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise RuntimeError(f"{self.dir} must be a directory owned by uid {os.geteuid()} and not group/other "
-                               "writable (someone else could hold the sandbox's uid leases)")
+            raise RuntimeError(
+                f"{self.dir} must be a directory owned by uid {os.geteuid()} and not group/other "
+                "writable (someone else could hold the sandbox's uid leases)"
+            )
 
     def acquire(self) -> UidLease:
         while True:
@@ -153,8 +186,10 @@ def jail_problem() -> Optional[str]:
     if not sys.platform.startswith("linux"):
         return f"needs Linux namespaces, this is {sys.platform}"
     if os.geteuid() != 0:
-        return ("needs to start as root (bwrap builds the namespaces privileged, setpriv then switches the code "
-                f"to an unprivileged uid); this process runs as uid {os.geteuid()}")
+        return (
+            "needs to start as root (bwrap builds the namespaces privileged, setpriv then switches the code "
+            f"to an unprivileged uid); this process runs as uid {os.geteuid()}"
+        )
     for tool, package in (("bwrap", "bubblewrap"), ("setpriv", "util-linux")):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (Debian: apt-get install -y {package})"
@@ -165,18 +200,47 @@ def jail_problem() -> Optional[str]:
     return None
 
 
-def jail_argv(python: str, uid: int, disk_bytes: int, env: dict[str, str], seccomp_fd: int, info_fd: int,
-              command: list[str]) -> list[str]:
+def jail_argv(
+    python: str, uid: int, disk_bytes: int, env: dict[str, str], seccomp_fd: int, info_fd: int, command: list[str]
+) -> list[str]:
     """The full argv of one call: bwrap, then setpriv to `uid`, then `command` (which starts with `python`)."""
-    argv = [shutil.which("bwrap") or "bwrap",
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", "sandbox", "--die-with-parent", "--new-session",
-            *_mount_args(python, disk_bytes), "--clearenv"]
+    argv = [
+        shutil.which("bwrap") or "bwrap",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        *_mount_args(python, disk_bytes),
+        "--clearenv",
+    ]
     for key, value in env.items():
         argv += ["--setenv", key, value]
-    argv += ["--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
-             # setpriv needs exactly these to switch uid/gid and empty the bounding set.
-             "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP", "--",
-             shutil.which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--", *command]
+    argv += [
+        "--seccomp",
+        str(seccomp_fd),
+        "--info-fd",
+        str(info_fd),
+        # setpriv needs exactly these to switch uid/gid and empty the bounding set.
+        "--cap-add",
+        "CAP_SETUID",
+        "--cap-add",
+        "CAP_SETGID",
+        "--cap-add",
+        "CAP_SETPCAP",
+        "--",
+        shutil.which("setpriv") or "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+        *command,
+    ]
     return argv

@@ -42,6 +42,7 @@ Given the revealed digits the rest of U is uniform, so redrawing it on a fork
 leaves every probability above unchanged, makes continuations branched from
 one prefix independent, and keeps a run reproducible.
 """
+
 from __future__ import annotations
 
 import functools
@@ -115,20 +116,31 @@ class SyntheticEnv(_SeededEnv):
 
     def __init__(self, num_tasks: int = 64, beta: float = 0.5, num_bits: int = 4, seed: int = 0) -> None:
         if num_tasks < 1 or num_bits < 0 or beta <= 0:
-            raise ValueError(f"synthetic: need num_tasks >= 1, num_bits >= 0, beta > 0 (got {num_tasks}, {num_bits}, {beta})")
+            raise ValueError(
+                f"synthetic: need num_tasks >= 1, num_bits >= 0, beta > 0 (got {num_tasks}, {num_bits}, {beta})"
+            )
         super().__init__(seed)
         self.num_bits = num_bits
         draw = random.Random(seed + 1)
         self.p = [draw.betavariate(beta, beta) for _ in range(num_tasks)]
-        self.tools = [{
-            "type": "function",
-            "function": {"name": "reveal", "description": "reveal the next binary digit of the hidden number",
-                         "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
-        }]
+        self.tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "reveal",
+                    "description": "reveal the next binary digit of the hidden number",
+                    "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+                },
+            }
+        ]
         self._tasks = [
-            Task(task_id=f"synthetic-{i}",
-                 messages=[{"role": "system", "content": "reveal"}, {"role": "user", "content": f"task {_digits(i)}"}],
-                 tools=self.tools, gold_answer="done", meta={"p": p})
+            Task(
+                task_id=f"synthetic-{i}",
+                messages=[{"role": "system", "content": "reveal"}, {"role": "user", "content": f"task {_digits(i)}"}],
+                tools=self.tools,
+                gold_answer="done",
+                meta={"p": p},
+            )
             for i, p in enumerate(self.p)
         ]
 
@@ -192,49 +204,81 @@ class SyntheticToolsEnv(_SeededEnv):
 
     SLIP_IN_PROMPT = ("flag", "level")
 
-    def __init__(self, width: int = 7, max_distance: int = 4, slips: tuple[float, ...] | list[float] = (0.0, 0.25),
-                 min_distance: int = 1, slip_in_prompt: str = "flag", walls: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        width: int = 7,
+        max_distance: int = 4,
+        slips: tuple[float, ...] | list[float] = (0.0, 0.25),
+        min_distance: int = 1,
+        slip_in_prompt: str = "flag",
+        walls: bool = False,
+        seed: int = 0,
+    ) -> None:
         """`slips`: one copy of the task set per slip probability; `min_distance` .. `max_distance`:
         cells between start and goal (0: start on the goal); `slip_in_prompt`: ``flag`` appends
         ``ice`` to slippery prompts, ``level`` appends ``ice N`` with N = 10 * slip (slips must then
         be multiples of 0.1, so the text states the level exactly); `walls`: add one walled copy of
         the dry tasks with start != goal (``wall`` in the prompt; the goal cannot be entered)."""
         if not 2 <= width <= 10 or not 0 <= min_distance <= max_distance < width or max_distance < 1:
-            raise ValueError(f"synthetic_tools: need 2 <= width <= 10 and 0 <= min_distance <= max_distance < width, "
-                             f"max_distance >= 1 (got {width}, {min_distance}, {max_distance})")
+            raise ValueError(
+                f"synthetic_tools: need 2 <= width <= 10 and 0 <= min_distance <= max_distance < width, "
+                f"max_distance >= 1 (got {width}, {min_distance}, {max_distance})"
+            )
         if any(not 0.0 <= s < 1.0 for s in slips) or not slips:
             raise ValueError(f"synthetic_tools: slips must be non-empty and in [0, 1), got {list(slips)}")
         if slip_in_prompt not in self.SLIP_IN_PROMPT:
-            raise ValueError(f"synthetic_tools: slip_in_prompt must be one of {', '.join(self.SLIP_IN_PROMPT)}, "
-                             f"got {slip_in_prompt!r}")
+            raise ValueError(
+                f"synthetic_tools: slip_in_prompt must be one of {', '.join(self.SLIP_IN_PROMPT)}, "
+                f"got {slip_in_prompt!r}"
+            )
         if slip_in_prompt == "level" and any(abs(10 * s - round(10 * s)) > 1e-9 for s in slips):
             raise ValueError(f"synthetic_tools: slip_in_prompt=level states slips in tenths; got {list(slips)}")
         super().__init__(seed)
         self.width = width
-        self.tools = [{
-            "type": "function",
-            "function": {"name": "move", "description": "move one cell",
-                         "parameters": {"type": "object", "properties": {"dir": {"type": "string", "enum": ["left", "right"]}},
-                                        "required": ["dir"], "additionalProperties": False}},
-        }]
+        self.tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "move",
+                    "description": "move one cell",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"dir": {"type": "string", "enum": ["left", "right"]}},
+                        "required": ["dir"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        ]
         self._tasks = []
         for slip in slips:
             for start in range(width):
                 for goal in range(width):
                     if min_distance <= abs(goal - start) <= max_distance:
                         words = f"start {start} goal {goal}" + self._ice_words(slip, slip_in_prompt)
-                        self._tasks.append(Task(
-                            task_id=f"walk-{start}-{goal}-{slip:g}",
-                            messages=[{"role": "system", "content": "walk"}, {"role": "user", "content": words}],
-                            tools=self.tools, gold_answer="done",
-                            meta={"start": start, "goal": goal, "slip": float(slip), "wall": False},
-                        ))
+                        self._tasks.append(
+                            Task(
+                                task_id=f"walk-{start}-{goal}-{slip:g}",
+                                messages=[{"role": "system", "content": "walk"}, {"role": "user", "content": words}],
+                                tools=self.tools,
+                                gold_answer="done",
+                                meta={"start": start, "goal": goal, "slip": float(slip), "wall": False},
+                            )
+                        )
         if walls:
             self._tasks += [
-                Task(task_id=f"walk-{t.meta['start']}-{t.meta['goal']}-wall",
-                     messages=[t.messages[0], {"role": "user", "content": f"start {t.meta['start']} goal {t.meta['goal']} wall"}],
-                     tools=self.tools, gold_answer="done", meta={**t.meta, "wall": True})
-                for t in self._tasks if t.meta["slip"] == 0.0 and t.meta["start"] != t.meta["goal"]
+                Task(
+                    task_id=f"walk-{t.meta['start']}-{t.meta['goal']}-wall",
+                    messages=[
+                        t.messages[0],
+                        {"role": "user", "content": f"start {t.meta['start']} goal {t.meta['goal']} wall"},
+                    ],
+                    tools=self.tools,
+                    gold_answer="done",
+                    meta={**t.meta, "wall": True},
+                )
+                for t in self._tasks
+                if t.meta["slip"] == 0.0 and t.meta["start"] != t.meta["goal"]
             ]
 
     @staticmethod

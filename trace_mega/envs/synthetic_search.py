@@ -29,6 +29,7 @@ The digit is a plain word, the same token as in the observations, so "copy the
 revealed value" is a one-token copy, and the TRACE-C probe scores it after the
 answer template ``<answer>`` (`ANSWER_TEMPLATE`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -110,11 +111,18 @@ class SyntheticSearchEnv(Env):
 
     name = "synthetic_search"
 
-    def __init__(self, num_tasks: int = 256, num_test_tasks: int = 64, hops: Sequence[int] = (1, 2, 3),
-                 pointer_prob: float = 0.3, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_tasks: int = 256,
+        num_test_tasks: int = 64,
+        hops: Sequence[int] = (1, 2, 3),
+        pointer_prob: float = 0.3,
+        seed: int = 0,
+    ) -> None:
         if num_tasks < 1 or num_test_tasks < 0:
-            raise ValueError(f"synthetic_search: need num_tasks >= 1 and num_test_tasks >= 0 "
-                             f"(got {num_tasks}, {num_test_tasks})")
+            raise ValueError(
+                f"synthetic_search: need num_tasks >= 1 and num_test_tasks >= 0 (got {num_tasks}, {num_test_tasks})"
+            )
         if not hops or any(not 1 <= int(h) <= len(KEYS) - 1 for h in hops):
             raise ValueError(f"synthetic_search: hops must be non-empty and in 1..{len(KEYS) - 1}, got {list(hops)}")
         if not 0.0 <= pointer_prob <= 1.0:
@@ -122,27 +130,44 @@ class SyntheticSearchEnv(Env):
         self.hops = [int(h) for h in hops]
         self.pointer_prob = float(pointer_prob)
         self.tokenizer = search_tokenizer()
-        self.tools = [{
-            "type": "function",
-            "function": {"name": "lookup", "description": "the fact stored under a key",
-                         "parameters": {"type": "object", "properties": {"key": {"type": "string", "enum": KEYS}},
-                                        "required": ["key"], "additionalProperties": False}},
-        }]
+        self.tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "lookup",
+                    "description": "the fact stored under a key",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"key": {"type": "string", "enum": KEYS}},
+                        "required": ["key"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        ]
         # Train and test stores come from disjoint seed streams.
-        self._splits = {"train": self._make_tasks("train", num_tasks, random.Random(f"search-train-{seed}")),
-                        "test": self._make_tasks("test", num_test_tasks, random.Random(f"search-test-{seed}"))}
+        self._splits = {
+            "train": self._make_tasks("train", num_tasks, random.Random(f"search-train-{seed}")),
+            "test": self._make_tasks("test", num_test_tasks, random.Random(f"search-test-{seed}")),
+        }
 
     def _make_tasks(self, split: str, n: int, rng: random.Random) -> list[Task]:
-        return [self.task_from_store(f"search-{split}-{i}", make_store(rng, self.hops, self.pointer_prob))
-                for i in range(n)]
+        return [
+            self.task_from_store(f"search-{split}-{i}", make_store(rng, self.hops, self.pointer_prob)) for i in range(n)
+        ]
 
     def task_from_store(self, task_id: str, store: dict[str, Any]) -> Task:
         """The task asking for the value behind `store['chain'][0]`."""
-        return Task(task_id=task_id,
-                    messages=[{"role": "system", "content": "search"},
-                              {"role": "user", "content": f"find {store['chain'][0]}"}],
-                    tools=self.tools, gold_answer=store["gold"],
-                    meta={"chain": list(store["chain"]), "facts": store["facts"], "hops": len(store["chain"])})
+        return Task(
+            task_id=task_id,
+            messages=[
+                {"role": "system", "content": "search"},
+                {"role": "user", "content": f"find {store['chain'][0]}"},
+            ],
+            tools=self.tools,
+            gold_answer=store["gold"],
+            meta={"chain": list(store["chain"]), "facts": store["facts"], "hops": len(store["chain"])},
+        )
 
     @functools.cached_property
     def stop_token_ids(self) -> list[int]:

@@ -16,6 +16,7 @@ Layout of the vocabulary: ``<pad>`` = 0, ``[UNK]`` = 1, ``<|im_start|>`` = 2,
 (``<tool_response>``, ``</tool_response>``, the actions). Text between tokens is whitespace; tokenisation is canonical (encode
 ∘ decode is the identity on in-vocabulary text), which the tests rely on.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

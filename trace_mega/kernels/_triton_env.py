@@ -23,6 +23,7 @@ What is here:
 * :func:`aot_compile` -- compile one kernel for an sm_<arch> GPU without a GPU
   (Triton's bundled ptxas): catches register spills and invalid tiles on CPU.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,8 +36,14 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET_VAR = "TRITON_INTERPRET"
 """The environment variable Triton reads when ``@triton.jit`` code is decorated."""
 
-__all__ = ["HAS_TRITON", "INTERPRET_VAR", "interpreting", "use_interpreter_without_cuda",
-           "env_without_interpreter", "aot_compile"]
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRET_VAR",
+    "interpreting",
+    "use_interpreter_without_cuda",
+    "env_without_interpreter",
+    "aot_compile",
+]
 
 
 def interpreting() -> bool:

@@ -37,6 +37,7 @@ measurement.
 The root problem's hot part is one sort plus a few gathers. A hand-written
 kernel would have to re-implement a global sort, so it stays a tensor program.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,8 +48,14 @@ try:  # Triton is optional at import time (CPU installs may lack it).
 except ImportError:  # pragma: no cover - exercised only without triton
     triton = None
 
-__all__ = ["root_unit_gains", "root_relaxed_counts", "segmented_threshold", "dense_layout", "prefix_log_gains",
-           "THRESHOLD_ITERS"]
+__all__ = [
+    "root_unit_gains",
+    "root_relaxed_counts",
+    "segmented_threshold",
+    "dense_layout",
+    "prefix_log_gains",
+    "THRESHOLD_ITERS",
+]
 
 THRESHOLD_ITERS = 64
 """Bisection steps of `segmented_threshold`; the bracket shrinks to range / 2**64."""
@@ -111,7 +118,9 @@ def _counts(A: torch.Tensor, Bq: torch.Tensor, cap: torch.Tensor, T: torch.Tenso
     return torch.minimum(torch.clamp(torch.floor((A - T) / Bq) + 1.0, min=0.0), cap)
 
 
-def dense_layout(group: torch.Tensor, num_groups: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+def dense_layout(
+    group: torch.Tensor, num_groups: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(perm, slot, W): prefix perm[i] sits at flat slot slot[i] of a (G, W) table, rows in index order.
 
     W = the largest group (read back to the host) unless `width` is given.
@@ -119,8 +128,7 @@ def dense_layout(group: torch.Tensor, num_groups: int, width: int | None = None)
     perm = torch.argsort(group, stable=True)  # by group, index order inside a group
     g_sorted = group[perm]
     # A scatter-add, not torch.bincount: bincount sizes its output from the data (a host sync).
-    sizes = torch.zeros(num_groups, dtype=torch.long, device=group.device).index_add_(
-        0, group, torch.ones_like(group))
+    sizes = torch.zeros(num_groups, dtype=torch.long, device=group.device).index_add_(0, group, torch.ones_like(group))
     start = torch.cumsum(sizes, 0) - sizes
     W = int(sizes.max()) if width is None and group.numel() else (width or 1)
     W = max(W, 1)
@@ -140,9 +148,16 @@ def _row_fill(want: torch.Tensor, avail: torch.Tensor) -> torch.Tensor:
     return torch.minimum(torch.clamp(want[:, None] - earlier, min=0.0), avail)
 
 
-def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.Tensor, cap: torch.Tensor,
-                        backend: str = "torch", iters: int = THRESHOLD_ITERS,
-                        max_group_size: int | None = None, taken: torch.Tensor | None = None) -> torch.Tensor:
+def segmented_threshold(
+    flip: torch.Tensor,
+    group: torch.Tensor,
+    budget: torch.Tensor,
+    cap: torch.Tensor,
+    backend: str = "torch",
+    iters: int = THRESHOLD_ITERS,
+    max_group_size: int | None = None,
+    taken: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Exact per-group top-`budget[g]` selection over units with gains q_p^k (1 - q_p), k < cap_p.
 
     Args: flip (P,) = 1 - q in [0, 1]; group (P,) long in [0, G); budget (G,) long >= 0;
@@ -172,8 +187,9 @@ def segmented_threshold(flip: torch.Tensor, group: torch.Tensor, budget: torch.T
     budf = budget.to(torch.float64)
     flip_t = _scatter(flip, perm, slot, G, W, 0.0)
     one_left = _scatter(one_left, perm, slot, G, W, 0.0)
-    pos_cap = torch.where(flip_t == 0, torch.zeros_like(capf),
-                          torch.where(flip_t == 1, torch.minimum(capf, one_left), capf))  # positive units (G, W)
+    pos_cap = torch.where(
+        flip_t == 0, torch.zeros_like(capf), torch.where(flip_t == 1, torch.minimum(capf, one_left), capf)
+    )  # positive units (G, W)
     lo, hi = _initial_bracket(A, Bq, pos_cap, budget)
     if backend == "triton":
         lo, hi = _bisect_triton(A, Bq, pos_cap, budf, lo, hi, iters)
@@ -244,8 +260,18 @@ def _bisect_torch(A, Bq, capf, budf, lo, hi, iters):
 if triton is not None:
 
     @triton.jit
-    def _bisect_kernel(A_ptr, Bq_ptr, cap_ptr, budget_ptr, lo_ptr, hi_ptr, W,
-                       ITERS: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    def _bisect_kernel(
+        A_ptr,
+        Bq_ptr,
+        cap_ptr,
+        budget_ptr,
+        lo_ptr,
+        hi_ptr,
+        W,
+        ITERS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+    ):
         """One program per group: the whole bisection over its row of the (G, W) table, bracket in place."""
         g = tl.program_id(0)
         bud = tl.load(budget_ptr + g)
@@ -277,6 +303,16 @@ def _bisect_triton(A, Bq, capf, budf, lo, hi, iters, block: int = 64):
     G, W = A.shape
     lo, hi = lo.contiguous().clone(), hi.contiguous().clone()
     if G:
-        _bisect_kernel[(G,)](A.contiguous(), Bq.contiguous(), capf.contiguous(), budf.contiguous(), lo, hi, W,
-                             ITERS=iters, BLOCK=block, CHUNKS=triton.cdiv(W, block))
+        _bisect_kernel[(G,)](
+            A.contiguous(),
+            Bq.contiguous(),
+            capf.contiguous(),
+            budf.contiguous(),
+            lo,
+            hi,
+            W,
+            ITERS=iters,
+            BLOCK=block,
+            CHUNKS=triton.cdiv(W, block),
+        )
     return lo, hi

@@ -6,6 +6,7 @@ against (tests/kernels/test_allocation.py, tests/allocation/) and timed against
 (benchmarks/bench_allocation.py). They work on host NumPy / Python data and loop
 over prompts by design: obviously right, not fast.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -13,15 +14,21 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["root_objective", "prefix_objective", "roots_dp", "prefixes_dp", "roots_greedy_python",
-           "prefixes_greedy_python"]
+__all__ = [
+    "root_objective",
+    "prefix_objective",
+    "roots_dp",
+    "prefixes_dp",
+    "roots_greedy_python",
+    "prefixes_greedy_python",
+]
 
 
 def root_objective(v: Sequence[float], m: Sequence[int]) -> float:
     """sum_i V_root(v_i, m_i) in float64 (m = 0 counts 0)."""
     v = np.asarray(v, dtype=np.float64)
     m = np.asarray(m, dtype=np.int64)
-    val = 1.0 - v ** m - (1.0 - v) ** m
+    val = 1.0 - v**m - (1.0 - v) ** m
     return float(np.where(m == 0, 0.0, val).sum())
 
 
@@ -33,8 +40,9 @@ def prefix_objective(v: Sequence[float], r: Sequence[int], k: Sequence[int]) -> 
     return float((1.0 - q ** np.asarray(k, dtype=np.int64)).sum())
 
 
-def roots_dp(v: Sequence[float], budget: int, max_rollouts: int,
-             min_rollouts: int = 2) -> tuple[Optional[np.ndarray], float]:
+def roots_dp(
+    v: Sequence[float], budget: int, max_rollouts: int, min_rollouts: int = 2
+) -> tuple[Optional[np.ndarray], float]:
     """Exact root allocation by DP over (prompt, units spent), m_i in {0} ∪ {min_rollouts..max_rollouts}.
     Returns (m, objective); m None when infeasible.
 

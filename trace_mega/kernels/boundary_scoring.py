@@ -19,6 +19,7 @@ Backends (``backend="auto"``): the Triton kernels on CUDA, and on CPU under
 which is also the natural CPU baseline. The gathered (P, H) rows are never materialised by
 the Triton path (forward or backward).
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,9 +58,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_kernel(
-        H_ptr, POS_ptr, W_ptr, B_ptr, LOGIT_ptr, SCORE_ptr,
-        P, HD, stride_ht, stride_hh,
-        BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+        H_ptr,
+        POS_ptr,
+        W_ptr,
+        B_ptr,
+        LOGIT_ptr,
+        SCORE_ptr,
+        P,
+        HD,
+        stride_ht,
+        stride_hh,
+        BLOCK_P: tl.constexpr,
+        BLOCK_H: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -71,8 +81,9 @@ if HAS_TRITON:
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < HD
             # .to(fp32) right after the load: bf16 is raw uint16 under the interpreter
-            hb = tl.load(H_ptr + row[:, None] + offs_h[None, :] * stride_hh,
-                         mask=mask_p[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+            hb = tl.load(
+                H_ptr + row[:, None] + offs_h[None, :] * stride_hh, mask=mask_p[:, None] & mask_h[None, :], other=0.0
+            ).to(tl.float32)
             wb = tl.load(W_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)  # (BH,)
             acc += tl.sum(hb * wb[None, :], axis=1)
         logit = acc + tl.load(B_ptr).to(tl.float32)
@@ -84,10 +95,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _bwd_kernel(
-        H_ptr, POS_ptr, W_ptr, DLOGIT_ptr, DH_ptr, DW_ptr,
-        P, HD, stride_ht, stride_hh,
-        NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
-        BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+        H_ptr,
+        POS_ptr,
+        W_ptr,
+        DLOGIT_ptr,
+        DH_ptr,
+        DW_ptr,
+        P,
+        HD,
+        stride_ht,
+        stride_hh,
+        NEED_DH: tl.constexpr,
+        NEED_DW: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_H: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -102,11 +123,11 @@ if HAS_TRITON:
             if NEED_DH:
                 wb = tl.load(W_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
                 # dhidden is a dense contiguous fp32 (T, H) buffer; repeats accumulate
-                tl.atomic_add(DH_ptr + pos.to(tl.int64)[:, None] * HD + offs_h[None, :],
-                              g[:, None] * wb[None, :], mask=m2)
+                tl.atomic_add(
+                    DH_ptr + pos.to(tl.int64)[:, None] * HD + offs_h[None, :], g[:, None] * wb[None, :], mask=m2
+                )
             if NEED_DW:
-                hb = tl.load(H_ptr + row[:, None] + offs_h[None, :] * stride_hh,
-                             mask=m2, other=0.0).to(tl.float32)
+                hb = tl.load(H_ptr + row[:, None] + offs_h[None, :] * stride_hh, mask=m2, other=0.0).to(tl.float32)
                 tl.atomic_add(DW_ptr + offs_h, tl.sum(g[:, None] * hb, axis=0), mask=mask_h)
 
 
@@ -123,10 +144,22 @@ def aot_compile_check(arch=90, dtypes=("bf16", "fp32")):
     bp, bh, nw = _cfg()
     out = {}
     for dt in dtypes:
-        for fn, consts in ((_fwd_kernel, dict(BLOCK_P=bp, BLOCK_H=bh)),
-                           (_bwd_kernel, dict(NEED_DH=True, NEED_DW=True, BLOCK_P=bp, BLOCK_H=bh))):
-            types = {name: (f"*{dt}" if name in ("H_ptr", "W_ptr", "B_ptr") else "*i64" if name == "POS_ptr"
-                            else "*fp32" if name.endswith("_ptr") else "i32") for name in fn.arg_names}
+        for fn, consts in (
+            (_fwd_kernel, dict(BLOCK_P=bp, BLOCK_H=bh)),
+            (_bwd_kernel, dict(NEED_DH=True, NEED_DW=True, BLOCK_P=bp, BLOCK_H=bh)),
+        ):
+            types = {
+                name: (
+                    f"*{dt}"
+                    if name in ("H_ptr", "W_ptr", "B_ptr")
+                    else "*i64"
+                    if name == "POS_ptr"
+                    else "*fp32"
+                    if name.endswith("_ptr")
+                    else "i32"
+                )
+                for name in fn.arg_names
+            }
             out[f"{fn.__name__}[{dt}]"] = aot_compile(fn, consts, types, arch=arch, num_warps=nw)
     return out
 
@@ -141,8 +174,20 @@ class _BoundaryFn(torch.autograd.Function):
         bp, bh, nw = _cfg()
         if P:
             _fwd_kernel[(triton.cdiv(P, bp),)](
-                hidden, positions, w, b, logits, scores, P, HD,
-                hidden.stride(0), hidden.stride(1), BLOCK_P=bp, BLOCK_H=bh, num_warps=nw)
+                hidden,
+                positions,
+                w,
+                b,
+                logits,
+                scores,
+                P,
+                HD,
+                hidden.stride(0),
+                hidden.stride(1),
+                BLOCK_P=bp,
+                BLOCK_H=bh,
+                num_warps=nw,
+            )
         ctx.save_for_backward(hidden, positions, w, b, scores)
         return scores, logits
 
@@ -163,21 +208,37 @@ class _BoundaryFn(torch.autograd.Function):
             bp, bh, nw = _cfg()
             dummy = dlogit  # pointer for an unused output
             _bwd_kernel[(triton.cdiv(P, bp),)](
-                hidden, positions, w, dlogit.contiguous(),
-                dh if need_dh else dummy, dw if need_dw else dummy,
-                P, HD, hidden.stride(0), hidden.stride(1),
-                NEED_DH=need_dh, NEED_DW=need_dw, BLOCK_P=bp, BLOCK_H=bh, num_warps=nw)
-        return (dh.to(hidden.dtype) if need_dh else None, None,
-                dw.to(w.dtype) if need_dw else None,
-                dlogit.sum().reshape(b.shape).to(b.dtype) if need_db else None)
+                hidden,
+                positions,
+                w,
+                dlogit.contiguous(),
+                dh if need_dh else dummy,
+                dw if need_dw else dummy,
+                P,
+                HD,
+                hidden.stride(0),
+                hidden.stride(1),
+                NEED_DH=need_dh,
+                NEED_DW=need_dw,
+                BLOCK_P=bp,
+                BLOCK_H=bh,
+                num_warps=nw,
+            )
+        return (
+            dh.to(hidden.dtype) if need_dh else None,
+            None,
+            dw.to(w.dtype) if need_dw else None,
+            dlogit.sum().reshape(b.shape).to(b.dtype) if need_db else None,
+        )
 
 
 def _pick_backend(hidden, positions, backend):
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "triton" and not (HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
-        raise RuntimeError("backend='triton' needs CUDA or TRITON_INTERPRET=1 set before "
-                           "importing trace_mega.kernels.boundary_scoring")
+        raise RuntimeError(
+            "backend='triton' needs CUDA or TRITON_INTERPRET=1 set before importing trace_mega.kernels.boundary_scoring"
+        )
     if backend != "auto":
         return backend
     if HAS_TRITON and (hidden.is_cuda or (_INTERPRET and positions.shape[0] <= INTERPRET_MAX_P)):
@@ -185,8 +246,7 @@ def _pick_backend(hidden, positions, backend):
     return "torch"
 
 
-def boundary_scores(hidden, positions, weight, bias, *, return_logits=False, backend="auto",
-                    validate=True):
+def boundary_scores(hidden, positions, weight, bias, *, return_logits=False, backend="auto", validate=True):
     """Value-head scores of the hidden states at turn-boundary stream positions.
 
     Args:
@@ -216,6 +276,5 @@ def boundary_scores(hidden, positions, weight, bias, *, return_logits=False, bac
     be = _pick_backend(hidden, positions, backend)
     if be == "torch":
         return boundary_scores_reference(hidden, positions, weight, bias, return_logits=return_logits)
-    scores, logits = _BoundaryFn.apply(hidden, positions.contiguous(), w.contiguous(),
-                                       b.reshape(1).contiguous())
+    scores, logits = _BoundaryFn.apply(hidden, positions.contiguous(), w.contiguous(), b.reshape(1).contiguous())
     return (scores, logits) if return_logits else scores

@@ -7,6 +7,7 @@ rows. It is the ground truth of the kernel's tests, the "unfused" baseline of
 benchmarks/bench_boundary_scoring.py, and the kernel's own ``backend="torch"`` path
 (a CPU without the interpreter, or too many positions for it).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,14 @@ import torch
 __all__ = ["boundary_scores_reference"]
 
 
-def boundary_scores_reference(hidden: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor,
-                              bias: torch.Tensor | None, *, return_logits: bool = False):
+def boundary_scores_reference(
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    return_logits: bool = False,
+):
     """`sigmoid(hidden[positions] @ w + b)` in fp32: hidden (T, H), positions (P,) int,
     weight (H,) or (1, H), bias a one-element tensor or None. Returns scores (P,) [and logits (P,)]."""
     logits = hidden[positions].float() @ weight.reshape(-1).float()  # (P,)

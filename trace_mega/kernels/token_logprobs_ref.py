@@ -4,6 +4,7 @@ It materialises the (T, V) fp32 logits and their log-softmax (and, in the backwa
 their gradients): the ground truth of the kernel's tests and the baseline of
 benchmarks/bench_token_logprobs.py. Never used for training.
 """
+
 from __future__ import annotations
 
 import torch

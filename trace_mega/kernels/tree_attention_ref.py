@@ -17,6 +17,7 @@ Also here: :func:`tree_layout`, a tiny builder of ``token_node`` /
 ``token_node_exit`` arrays from a parent list, used by the tests and the
 benchmark to describe trees without depending on the rollout package.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -71,8 +72,9 @@ def _check_qkv(q, k, v, token_node) -> tuple[int, int]:
         raise ValueError("q, k, v must be (B, T, H, D)")
     B, T, Hq, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-        raise ValueError(f"k, v must be (B, T, Hkv, D) matching q {tuple(q.shape)}, "
-                         f"got {tuple(k.shape)} / {tuple(v.shape)}")
+        raise ValueError(
+            f"k, v must be (B, T, Hkv, D) matching q {tuple(q.shape)}, got {tuple(k.shape)} / {tuple(v.shape)}"
+        )
     Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv} (GQA)")
@@ -94,9 +96,7 @@ def tree_attention_reference(q, k, v, token_node, token_node_exit, *, scale=None
     # GQA: query head h reads kv head h // group, i.e. repeat_interleave.
     kk = _to_bhtd(k).repeat_interleave(group, dim=1)  # (B, Hq, T, D)
     vv = _to_bhtd(v).repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(
-        _to_bhtd(q), kk, vv, attn_mask=mask[:, None], scale=scale
-    )  # (B, Hq, T, D)
+    out = F.scaled_dot_product_attention(_to_bhtd(q), kk, vv, attn_mask=mask[:, None], scale=scale)  # (B, Hq, T, D)
     # Rows with no allowed key (padding) are defined as 0; SDPA on CPU already
     # gives 0 there but some CUDA backends give NaN, so force it.
     has_key = mask.any(dim=-1)[:, None, :, None]  # (B, 1, T, 1)
@@ -124,8 +124,13 @@ def tree_flex_block_mask(token_node: torch.Tensor, token_node_exit: torch.Tensor
     _check_tokens(token_node, token_node_exit)
     B, T = token_node.shape
     return create_block_mask(
-        _tree_mask_mod(token_node, token_node_exit), B, None, T, T,
-        device=token_node.device, BLOCK_SIZE=block_size,
+        _tree_mask_mod(token_node, token_node_exit),
+        B,
+        None,
+        T,
+        T,
+        device=token_node.device,
+        BLOCK_SIZE=block_size,
     )
 
 
@@ -143,7 +148,11 @@ def tree_attention_flex(q, k, v, token_node, token_node_exit, *, scale=None):
         # eager flex warns that it materialises the scores: that is the point of a reference
         warnings.filterwarnings("ignore", message=".*without torch.compile.*")
         out = flex_attention(
-            _to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=block_mask, scale=scale,
+            _to_bhtd(q),
+            _to_bhtd(k),
+            _to_bhtd(v),
+            block_mask=block_mask,
+            scale=scale,
             enable_gqa=Hq != Hkv,
         )  # (B, Hq, T, D)
     pad = (token_node < 0)[:, None, :, None]  # (B, 1, T, 1)

@@ -45,6 +45,7 @@ and is 0 for a group of one (no contrast).
   under ``tree``, so a flat probe, R = 0, gives exactly the credit-off advantages); chosen by `CreditConfig.enabled`, so ``tree`` +
   ``trace_credit`` (TRACE-A + TRACE-C) is `advantage.name: tree, credit.enabled: true`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,19 @@ from trace_mega.registry import Registry
 from trace_mega.rollout.tree import PackedTrees, RolloutTree
 
 __all__ = [
-    "ADVANTAGES", "Advantages", "AdvantageFn", "compute_advantages", "leaf_mean",
-    "group_relative", "grpo", "rloo", "tree", "gigpo", "trace_credit", "resolve_mixing", "STD_EPS",
+    "ADVANTAGES",
+    "Advantages",
+    "AdvantageFn",
+    "compute_advantages",
+    "leaf_mean",
+    "group_relative",
+    "grpo",
+    "rloo",
+    "tree",
+    "gigpo",
+    "trace_credit",
+    "resolve_mixing",
+    "STD_EPS",
 ]
 
 STD_EPS = 1e-6
@@ -86,8 +98,7 @@ AdvantageFn = Callable[..., Advantages]
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
-def group_relative(values: torch.Tensor, group: torch.Tensor, num_groups: int,
-                   normalize_std: bool) -> torch.Tensor:
+def group_relative(values: torch.Tensor, group: torch.Tensor, num_groups: int, normalize_std: bool) -> torch.Tensor:
     """(M,) dev_G(values) within integer groups `group` (M,) (module docstring)."""
     ones = torch.ones_like(values)
     count = values.new_zeros(num_groups).index_add(0, group, ones)  # (G,)
@@ -144,8 +155,9 @@ def _to_tokens(packed: PackedTrees, node_adv: torch.Tensor, cfg: AdvantageConfig
 
 
 def _grpo_nodes(packed: PackedTrees, normalize_std: bool) -> torch.Tensor:
-    leaf_adv = group_relative(packed.leaf_reward.float(), packed.node_tree[packed.leaf_nodes],
-                              packed.num_trees, normalize_std)  # (L,)
+    leaf_adv = group_relative(
+        packed.leaf_reward.float(), packed.node_tree[packed.leaf_nodes], packed.num_trees, normalize_std
+    )  # (L,)
     return leaf_mean(packed, leaf_adv)
 
 
@@ -223,15 +235,23 @@ def resolve_mixing(credit: CreditConfig, cfg: AdvantageConfig) -> str:
 
 
 @ADVANTAGES.register("trace_credit")
-def trace_credit(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig, *,
-                 credit: Optional[CreditConfig] = None, node_ell: Optional[torch.Tensor] = None,
-                 **_) -> Advantages:
+def trace_credit(
+    packed: PackedTrees,
+    trees: Sequence[RolloutTree],
+    cfg: AdvantageConfig,
+    *,
+    credit: Optional[CreditConfig] = None,
+    node_ell: Optional[torch.Tensor] = None,
+    **_,
+) -> Advantages:
     """TRACE-C: outcome estimator `cfg.name` mixed with the probe turn credit (credit.py)."""
     if credit is None or node_ell is None:
         raise ValueError("trace_credit needs the CreditConfig and the probe's node_ell (N,)")
     if cfg.name == "trace_credit":
-        raise ValueError("advantage.name picks the outcome term of trace_credit (grpo | tree | gigpo); "
-                         "TRACE-C itself is switched on by credit.enabled")
+        raise ValueError(
+            "advantage.name picks the outcome term of trace_credit (grpo | tree | gigpo); "
+            "TRACE-C itself is switched on by credit.enabled"
+        )
     if node_ell.shape != (packed.num_nodes,):
         raise ValueError(f"node_ell must be (N={packed.num_nodes},), got {tuple(node_ell.shape)}")
     outcome = ADVANTAGES.get(cfg.name)(packed, trees, cfg)
@@ -242,9 +262,13 @@ def trace_credit(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: Advanta
     return _to_tokens(packed, node_adv, cfg)
 
 
-def compute_advantages(packed: PackedTrees, trees: Sequence[RolloutTree], cfg: AdvantageConfig,
-                       credit: Optional[CreditConfig] = None,
-                       node_ell: Optional[torch.Tensor] = None) -> Advantages:
+def compute_advantages(
+    packed: PackedTrees,
+    trees: Sequence[RolloutTree],
+    cfg: AdvantageConfig,
+    credit: Optional[CreditConfig] = None,
+    node_ell: Optional[torch.Tensor] = None,
+) -> Advantages:
     """The configured estimator (trace_credit over `cfg.name` when `credit.enabled`); `packed` is not modified."""
     if credit is not None and credit.enabled:
         return trace_credit(packed, trees, cfg, credit=credit, node_ell=node_ell)

@@ -19,6 +19,7 @@ materialised per call; differentiable on CPU; GQA), `tree_triton`
 (`trace_mega.kernels.tree_attention.tree_attention`, imported lazily) and
 `auto` (tree_triton on CUDA, sdpa otherwise).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,7 +110,9 @@ class TreeCoreAttention(MegatronModule):
         """query `(S, B, Hq, D)`, key/value `(S, B, Hkv, D)`, mask `(2, B, S)` int or None -> `(S, B, Hq*D)`."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("TreeCoreAttention takes the tree through attention_mask, not bias/packed_seq_params")
-        if attention_mask is not None and (attention_mask.dtype.is_floating_point or attention_mask.dtype == torch.bool):
+        if attention_mask is not None and (
+            attention_mask.dtype.is_floating_point or attention_mask.dtype == torch.bool
+        ):
             raise TypeError("attention_mask must be the (2, B, S) int tree mask of tree_attention_mask() or None")
         s, b = query.shape[0], query.shape[1]
         if self._resolve_backend(query.device) == "tree_triton":
@@ -126,8 +129,14 @@ class TreeCoreAttention(MegatronModule):
         mask = None if attention_mask is None else tree_mask_dense(attention_mask)  # (B, 1, S, S)
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
-                scale=self.softmax_scale, enable_gqa=self.num_heads != self.num_kv_heads,
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=mask is None,
+                scale=self.softmax_scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
             )  # (B, Hq, S, D)
         return out.transpose(1, 2)
 

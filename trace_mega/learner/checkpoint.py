@@ -13,6 +13,7 @@ atomic: everything is written to `.tmp-step_XXXXXXXX`, renamed once all ranks
 finished, and only then is `latest` replaced (os.replace), so a crash leaves
 the previous checkpoint as `latest`.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from trace_mega.learner.models import unwrap
 from trace_mega.learner.parallel import ParallelGroups
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "latest_checkpoint", "checkpoint_name",
-           "trainer_state"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "latest_checkpoint",
+    "checkpoint_name",
+    "trainer_state",
+]
 
 _STATE_FILE = "trainer_state.json"
 

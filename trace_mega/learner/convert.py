@@ -22,6 +22,7 @@ Layouts (megatron-core 0.16.1):
 Names of the Transformer Engine spec's fused norms (`linear_qkv.layer_norm_weight`,
 `linear_fc1.layer_norm_weight`) map to the same HF norms.
 """
+
 from __future__ import annotations
 
 import json
@@ -181,7 +182,9 @@ def load_hf_into(model: torch.nn.Module, hf_dir: str | os.PathLike | HFCheckpoin
         hf_names, kind = _mapping(net, name, g.ep_rank)
         shard = _shard(net, kind, [ckpt.get(n) for n in hf_names], g, param.shape)
         if shard.shape != param.shape:
-            raise ValueError(f"{name}: HF {hf_names} give shard {tuple(shard.shape)}, parameter is {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: HF {hf_names} give shard {tuple(shard.shape)}, parameter is {tuple(param.shape)}"
+            )
         param.copy_(shard.to(param.dtype))
 
 
@@ -193,7 +196,9 @@ def _gather(t: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
     return out
 
 
-def _unshard(net: TreeGPTModel, kind: str, local: torch.Tensor, hf_names: list[str], g: ParallelGroups) -> list[torch.Tensor]:
+def _unshard(
+    net: TreeGPTModel, kind: str, local: torch.Tensor, hf_names: list[str], g: ParallelGroups
+) -> list[torch.Tensor]:
     if kind in ("replicated", "expert"):
         return [local]
     if kind == "expert_gate_up":
@@ -213,7 +218,9 @@ def _unshard(net: TreeGPTModel, kind: str, local: torch.Tensor, hf_names: list[s
 
 
 @torch.no_grad()
-def export_hf(model: torch.nn.Module, g: ParallelGroups, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(
+    model: torch.nn.Module, g: ParallelGroups, dtype: Optional[torch.dtype] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors of this PP stage, gathered over TP and EP (collective: call on all ranks).
 
     Every rank of a (TP, EP) group receives the same tensors. Experts are
@@ -238,7 +245,10 @@ def export_hf(model: torch.nn.Module, g: ParallelGroups, dtype: Optional[torch.d
 
 
 def save_hf(
-    model: torch.nn.Module, g: ParallelGroups, out_dir: str | os.PathLike, hf_config=None,
+    model: torch.nn.Module,
+    g: ParallelGroups,
+    out_dir: str | os.PathLike,
+    hf_config=None,
     dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Write an HF checkpoint: one safetensors shard per PP stage + index (+ config.json). Collective."""
@@ -256,9 +266,13 @@ def save_hf(
     if g.rank == 0:
         weight_map = {
             n: f"model-{pp + 1:05d}-of-{g.pp_size:05d}.safetensors"
-            for ns, pp in zip(names, stages) if pp is not None and pp >= 0 for n in ns
+            for ns, pp in zip(names, stages)
+            if pp is not None and pp >= 0
+            for n in ns
         }
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+        )
         if hf_config is not None:
             hf_config.save_pretrained(out)
     dist.barrier()

@@ -14,6 +14,7 @@ Things that are NOT patches (they are configuration or our own `ModuleSpec`
 leaves, see `models.py`): the local layer spec, `use_cpu_initialization`,
 an RMSNorm leaf tagged for sequence parallelism, `add_bias_linear=False` for MoE.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -132,9 +133,12 @@ class _CudaToCpuMode(TorchFunctionMode):
                 return _CUDA_TYPE_NAMES[t.dtype]
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device="cpu")
-        if func is torch.Tensor.to and len(args) > 1 and (
-            isinstance(args[1], (str, torch.device)) or type(args[1]) is int
-        ) and _is_cuda_device(args[1]):
+        if (
+            func is torch.Tensor.to
+            and len(args) > 1
+            and (isinstance(args[1], (str, torch.device)) or type(args[1]) is int)
+            and _is_cuda_device(args[1])
+        ):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
 
@@ -149,8 +153,9 @@ def _patch_device_mode() -> None:
     # tensors; `_zero_grad_group_helper` reads `.grad`), which makes torch warn on every step under
     # DP > 1. With this mode on the stack the warning points at this file, so the console would take
     # it for the project's own; on GPU it points at Megatron and stays in the log file.
-    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf",
-                            category=UserWarning, module=__name__)
+    warnings.filterwarnings(
+        "ignore", message=r"The \.grad attribute of a Tensor that is not a leaf", category=UserWarning, module=__name__
+    )
     # Entered for the life of the process: megatron creates CUDA tensors at
     # import-independent times (buffers, masks, optimizer state, schedules).
     _MODE.__enter__()

@@ -28,6 +28,7 @@ on the path below it (look-ahead). `node_turn_credit` gives it the mean over the
 leaves below it of the per-path R; with the `per_leaf` token weight (leaf count) the
 packed loss's linear term then equals training on every path separately.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -37,8 +38,15 @@ import torch
 from trace_mega.rollout.tree import PackedTrees
 
 __all__ = [
-    "likelihood_gaps", "state_values", "td_rewards", "lookahead_returns", "trajectory_turn_credit",
-    "mix_turn_advantages", "path_nodes", "node_td_rewards", "node_turn_credit",
+    "likelihood_gaps",
+    "state_values",
+    "td_rewards",
+    "lookahead_returns",
+    "trajectory_turn_credit",
+    "mix_turn_advantages",
+    "path_nodes",
+    "node_td_rewards",
+    "node_turn_credit",
 ]
 
 
@@ -68,12 +76,13 @@ def lookahead_returns(delta: torch.Tensor, gamma: float, horizon: int) -> torch.
     K = delta.shape[-1]
     out = delta.clone()
     for j in range(1, min(horizon, K)):
-        out[..., : K - j] += (gamma ** j) * delta[..., j:]
+        out[..., : K - j] += (gamma**j) * delta[..., j:]
     return out
 
 
-def trajectory_turn_credit(ell: torch.Tensor, num_turns: int, epsilon: float, gamma: float,
-                           horizon: int) -> torch.Tensor:
+def trajectory_turn_credit(
+    ell: torch.Tensor, num_turns: int, epsilon: float, gamma: float, horizon: int
+) -> torch.Tensor:
     """(num_turns,) R_k of every turn of one trajectory from its K+1 probes (K ≤ num_turns).
 
     Turns k ≥ K (the final-answer turn) have no boundary after them and get 0.
@@ -86,8 +95,13 @@ def trajectory_turn_credit(ell: torch.Tensor, num_turns: int, epsilon: float, ga
     return R
 
 
-def mix_turn_advantages(credit: torch.Tensor, outcome: torch.Tensor, is_final: torch.Tensor,
-                        mode: Literal["anchored", "broadcast"], beta: float) -> torch.Tensor:
+def mix_turn_advantages(
+    credit: torch.Tensor,
+    outcome: torch.Tensor,
+    is_final: torch.Tensor,
+    mode: Literal["anchored", "broadcast"],
+    beta: float,
+) -> torch.Tensor:
     """Per-turn advantage from turn credit R and the outcome advantage A^out (module docstring).
 
     `credit`, `outcome`, `is_final` broadcast together (per turn of one trajectory or per
@@ -130,8 +144,9 @@ def node_td_rewards(packed: PackedTrees, node_ell: torch.Tensor, epsilon: float)
     return torch.where(ok, torch.log(dp / d), torch.zeros_like(d))
 
 
-def node_turn_credit(packed: PackedTrees, node_ell: torch.Tensor, epsilon: float, gamma: float,
-                     horizon: int) -> torch.Tensor:
+def node_turn_credit(
+    packed: PackedTrees, node_ell: torch.Tensor, epsilon: float, gamma: float, horizon: int
+) -> torch.Tensor:
     """(N,) R of every node: mean over the leaves below it of the per-path look-ahead R (0 at roots).
 
     For the path through node g at depth d ≥ 1 (turn k = d − 1):

@@ -18,6 +18,7 @@ ROC-AUC = P(score of a random useful turn > score of a random other turn), ties
 counting one half (the Mann–Whitney U statistic / (n₊ n₋)), computed from average
 ranks; NaN when a class is empty.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,13 @@ def node_labels(packed: PackedTrees, labels: Sequence[Sequence[Optional[bool]]])
     return out
 
 
-def credit_accuracy(packed: PackedTrees, trees: Sequence[RolloutTree], node_ell: torch.Tensor,
-                    labels: Sequence[Sequence[Optional[bool]]], cfg: CreditConfig) -> dict[str, float]:
+def credit_accuracy(
+    packed: PackedTrees,
+    trees: Sequence[RolloutTree],
+    node_ell: torch.Tensor,
+    labels: Sequence[Sequence[Optional[bool]]],
+    cfg: CreditConfig,
+) -> dict[str, float]:
     """The `credit/*` metrics of one step (module docstring) from the probe's ℓ̄ (N,) and per-tree labels."""
     if len(labels) != len(trees) or any(len(lab) != len(t) for lab, t in zip(labels, trees)):
         raise ValueError("turn labels must give one entry per node of every tree")
@@ -80,8 +86,9 @@ def credit_accuracy(packed: PackedTrees, trees: Sequence[RolloutTree], node_ell:
     }
 
 
-def env_credit_accuracy(env, packed: PackedTrees, trees: Sequence[RolloutTree], node_ell: Optional[torch.Tensor],
-                        cfg: CreditConfig) -> dict[str, float]:
+def env_credit_accuracy(
+    env, packed: PackedTrees, trees: Sequence[RolloutTree], node_ell: Optional[torch.Tensor], cfg: CreditConfig
+) -> dict[str, float]:
     """The trainer's hook: `credit_accuracy` when TRACE-C ran (`node_ell` not None) and `env` labels turns, else {}."""
     if node_ell is None:
         return {}

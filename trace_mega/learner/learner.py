@@ -34,6 +34,7 @@ Pipeline stages: every forward goes through megatron's schedule (`train_step`, o
 last stage computes (hidden states, log-probs, probe values) is broadcast over the
 PP group where another stage needs it (`_to_all_stages`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from trace_mega.learner.advantages import Advantages
     from trace_mega.rollout.engines import Engine
     from trace_mega.step import StepBatch
+
 
 def balanced_bins(sizes: Sequence[int], n: int) -> list[list[int]]:
     """Indices 0..len(sizes)-1 in `n` bins of near-equal total size, deterministically.
@@ -95,9 +97,14 @@ def _step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
                 total[k] = total.get(k, 0.0) + v
     units = max(total.pop("num_tokens"), 1e-12)
     tokens = max(total.pop("mask_tokens"), 1.0)
-    out = {"loss/total": total.pop("loss_sum") / units, "loss/units": units,
-           "loss/grad_norm": sum(r["grad_norm"] for r in steps) / len(steps), "loss/lr": steps[-1]["lr"],
-           "loss/skipped": sum(r["skipped"] for r in steps), "loss/optimizer_steps": float(len(steps))}
+    out = {
+        "loss/total": total.pop("loss_sum") / units,
+        "loss/units": units,
+        "loss/grad_norm": sum(r["grad_norm"] for r in steps) / len(steps),
+        "loss/lr": steps[-1]["lr"],
+        "loss/skipped": sum(r["skipped"] for r in steps),
+        "loss/optimizer_steps": float(len(steps)),
+    }
     out["loss/logprob_mismatch"] = total.pop("mismatch_tok_sum") / tokens
     out["loss/token_entropy"] = total.pop("entropy_tok_sum") / tokens
     for k, v in total.items():
@@ -125,21 +132,31 @@ def hf_config(model_cfg) -> Any:
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
-        intermediate_size=model_cfg.ffn_hidden_size, num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_attention_heads, num_key_value_heads=model_cfg.num_query_groups,
-        head_dim=model_cfg.head_dim, max_position_embeddings=model_cfg.max_position_embeddings,
-        rms_norm_eps=model_cfg.norm_epsilon, tie_word_embeddings=model_cfg.tie_word_embeddings,
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.ffn_hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_query_groups,
+        head_dim=model_cfg.head_dim,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        rms_norm_eps=model_cfg.norm_epsilon,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(model_cfg.rotary_base)},
         hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(model_cfg.activation, model_cfg.activation),
-        attention_bias=False, torch_dtype="float32",
+        attention_bias=False,
+        torch_dtype="float32",
     )
     if not model_cfg.qk_layernorm:
         raise ValueError("the rollout engines' HF view is Qwen3 (q/k-norm); set model.qk_layernorm: true")
     if model_cfg.num_experts:
-        return Qwen3MoeConfig(num_experts=model_cfg.num_experts, num_experts_per_tok=model_cfg.moe_router_topk,
-                              moe_intermediate_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
-                              norm_topk_prob=model_cfg.moe_norm_topk_prob, **common)
+        return Qwen3MoeConfig(
+            num_experts=model_cfg.num_experts,
+            num_experts_per_tok=model_cfg.moe_router_topk,
+            moe_intermediate_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
+            norm_topk_prob=model_cfg.moe_norm_topk_prob,
+            **common,
+        )
     return Qwen3Config(**common)
 
 
@@ -247,8 +264,15 @@ class Learner:
     def _logprobs(self, hidden: torch.Tensor, net: torch.nn.Module, packed: PackedTrees, **kw):
         """Log-probs (and with_entropy, entropies) of `packed`'s loss tokens from `net`'s LM head
         on `hidden` (T, H): vocab-parallel, the TP padding rows excluded (`vocab_size`)."""
-        return packed_token_logprobs(hidden, output_weight(net), packed, tp_group=self.groups.pgs.tp,
-                                     vocab_start=self._vocab_start(net), vocab_size=self.model_cfg.vocab_size, **kw)
+        return packed_token_logprobs(
+            hidden,
+            output_weight(net),
+            packed,
+            tp_group=self.groups.pgs.tp,
+            vocab_start=self._vocab_start(net),
+            vocab_size=self.model_cfg.vocab_size,
+            **kw,
+        )
 
     @torch.no_grad()
     def probe(self, batch: "StepBatch", tokenize: Callable[[str], list[int]], template: str) -> torch.Tensor:
@@ -263,12 +287,22 @@ class Learner:
         share = list(range(len(trees)))
         if g.dp_size > 1:
             share = balanced_bins(batch.packed.tree_num_tokens().tolist(), g.dp_size)[g.dp_rank]
-        ell = reference_probe(
-            megatron_packed_forward(self.reference), [trees[i] for i in share], tokenize, template,
-            output_weight=output_weight(self.reference), tp_group=g.pgs.tp,
-            vocab_start=self._vocab_start(self.reference), max_tokens=self.cfg.parallel.micro_batch_tokens,
-            max_answer_tokens=self.cfg.credit.max_answer_tokens, vocab_size=self.model_cfg.vocab_size,
-        ).ell if share else []
+        ell = (
+            reference_probe(
+                megatron_packed_forward(self.reference),
+                [trees[i] for i in share],
+                tokenize,
+                template,
+                output_weight=output_weight(self.reference),
+                tp_group=g.pgs.tp,
+                vocab_start=self._vocab_start(self.reference),
+                max_tokens=self.cfg.parallel.micro_batch_tokens,
+                max_answer_tokens=self.cfg.credit.max_answer_tokens,
+                vocab_size=self.model_cfg.vocab_size,
+            ).ell
+            if share
+            else []
+        )
         if g.pp_size > 1 and ell:  # the stages before the last ran their layers; the values are the last's
             flat = self._to_all_stages(torch.cat(ell).to(g.device)).cpu()
             ell = list(flat.split([len(e) for e in ell]))
@@ -297,8 +331,9 @@ class Learner:
         lp = self._logprobs(hidden, self.policy, packed) if self.groups.is_last_stage else None
         return (lp, hidden) if return_hidden else lp
 
-    def _micro_batches(self, packed: PackedTrees, adv: "Advantages",
-                       tree_ids: Sequence[int]) -> list[tuple[list[int], PackedTrees, torch.Tensor]]:
+    def _micro_batches(
+        self, packed: PackedTrees, adv: "Advantages", tree_ids: Sequence[int]
+    ) -> list[tuple[list[int], PackedTrees, torch.Tensor]]:
         """This DP rank's micro-batches of the trees `tree_ids`: (trees, pack, their stream positions
         in `packed`).
 
@@ -313,7 +348,7 @@ class Learner:
         n = max(1, math.ceil(sum(sizes) / (g.dp_size * self.cfg.parallel.micro_batch_tokens)))
         n = min(n, max(1, len(tree_ids) // g.dp_size))
         out = []
-        for b in balanced_bins(sizes, g.dp_size * n)[g.dp_rank:: g.dp_size]:
+        for b in balanced_bins(sizes, g.dp_size * n)[g.dp_rank :: g.dp_size]:
             ids = [tree_ids[j] for j in b]
             mb, idx = packed.select(ids), packed.tree_tokens(ids)
             # The loss reads its per-token inputs off the micro-batch it is given.
@@ -347,8 +382,10 @@ class Learner:
         packed, unit = step.packed, aggregation_mode(lc)
         # At most one mini-batch per dp_size trees: every rank needs a tree in every mini-batch.
         n_mini = max(1, min(opt.mini_batches_per_step, packed.num_trees // g.dp_size))
-        minis = [self._micro_batches(packed, step.advantages, ids)
-                 for ids in balanced_bins(packed.tree_num_tokens().tolist(), n_mini)]
+        minis = [
+            self._micro_batches(packed, step.advantages, ids)
+            for ids in balanced_bins(packed.tree_num_tokens().tolist(), n_mini)
+        ]
         single_update = len(minis) == 1 and opt.epochs_per_step == 1
         on_policy = lc.old_logprobs == "learner" and single_update
         # (T_share, H) hidden states of this rank's trees under the pre-update weights, for the
@@ -360,21 +397,31 @@ class Learner:
         hidden = torch.zeros(rows.numel(), self.hidden_size, device=g.device, dtype=self.dtype)
         plans = [self._prepare(mini, hidden, where, old_logprobs, single_update) for mini in minis]
         loss_fn = self._loss_fn(unit, on_policy)
-        steps = [train_step(self.chunks, self.optimizer, self.scheduler, batches, loss_fn, g, output="hidden")
-                 for _ in range(opt.epochs_per_step) for batches in plans]
+        steps = [
+            train_step(self.chunks, self.optimizer, self.scheduler, batches, loss_fn, g, output="hidden")
+            for _ in range(opt.epochs_per_step)
+            for batches in plans
+        ]
         step.hidden, step.hidden_trees = self._to_all_stages(hidden), share
         return _step_metrics(steps)
 
     @torch.no_grad()
-    def _prepare(self, mini: list, hidden: torch.Tensor, where: torch.Tensor, old_logprobs: Optional[torch.Tensor],
-                 single_update: bool) -> list[dict]:
+    def _prepare(
+        self,
+        mini: list,
+        hidden: torch.Tensor,
+        where: torch.Tensor,
+        old_logprobs: Optional[torch.Tensor],
+        single_update: bool,
+    ) -> list[dict]:
         """The micro-batches of one mini-batch, prepared before any update: inputs, the reference's
         log-probs (KL), and unless the update is a single one the no-grad forward under the
         pre-update weights (the hidden rows now or never; the old log-probs). Log-probs live on the
         last pipeline stage, where the loss runs."""
         lc, g = self.cfg.loss, self.groups
-        batches = [dict(self._batch(mb), packed=mb, hidden_out=(hidden, where[idx].to(g.device)))
-                   for _, mb, idx in mini]
+        batches = [
+            dict(self._batch(mb), packed=mb, hidden_out=(hidden, where[idx].to(g.device))) for _, mb, idx in mini
+        ]
         if self.reference is not None and lc.kl_coef > 0:
             for b, h in zip(batches, forward_only(self.reference, batches)):
                 b["ref_logprobs"] = self._logprobs(h[0, : b["packed"].num_tokens], self.reference, b["packed"])
@@ -405,8 +452,9 @@ class Learner:
                 out_hidden[idx] = h.detach().to(out_hidden.dtype)
             # Under sequence parallelism the model's hidden-state gather already sums the
             # hidden gradient over TP in its backward; the kernel must not sum it again.
-            lp, ent = self._logprobs(h, self.chunks[0], mb, with_entropy=True,
-                                     reduce_grad_hidden=not self.policy.config.sequence_parallel)
+            lp, ent = self._logprobs(
+                h, self.chunks[0], mb, with_entropy=True, reduce_grad_hidden=not self.policy.config.sequence_parallel
+            )
             behaviour = mb.behaviour_logprobs.to(lp)
             old = (lp.detach() if on_policy else batch["old_logprobs"]) if cfg.old_logprobs == "learner" else behaviour
             mask = mb.loss_mask.to(lp.device)
@@ -414,14 +462,19 @@ class Learner:
             is_w = None
             if cfg.rollout_is != "none":
                 is_w, is_m = rollout_is_weights(old, behaviour, mb, cfg.rollout_is, cfg.rollout_is_cap)
-                metrics = {"rollout_is_mean_tok_sum": is_m["rollout_is_mean"] * mask.sum(),
-                           "rollout_is_capped_fraction_tok_sum": is_m["rollout_is_capped_fraction"] * mask.sum(),
-                           "rollout_is_max": is_m["rollout_is_max"]}
-            out = compute_loss(lp, mb, cfg, old_logprobs=old, ref_logprobs=batch.get("ref_logprobs"),
-                               entropy=ent, is_weights=is_w)
+                metrics = {
+                    "rollout_is_mean_tok_sum": is_m["rollout_is_mean"] * mask.sum(),
+                    "rollout_is_capped_fraction_tok_sum": is_m["rollout_is_capped_fraction"] * mask.sum(),
+                    "rollout_is_max": is_m["rollout_is_max"],
+                }
+            out = compute_loss(
+                lp, mb, cfg, old_logprobs=old, ref_logprobs=batch.get("ref_logprobs"), entropy=ent, is_weights=is_w
+            )
             units = unit_count(mb, unit).to(lp)
             for k, v in out.metrics.items():  # unit-weighted sums (maxima stay maxima)
-                metrics[k if k.endswith("_max") else f"{k}_sum"] = v.detach().float() * (1 if k.endswith("_max") else units)
+                metrics[k if k.endswith("_max") else f"{k}_sum"] = v.detach().float() * (
+                    1 if k.endswith("_max") else units
+                )
             # engine-vs-learner mismatch at the rollout weights (the current ones when on-policy)
             ref_lp = lp.detach() if cfg.old_logprobs == "behaviour" else old
             metrics["mismatch_tok_sum"] = ((ref_lp - behaviour).abs() * mask).sum()

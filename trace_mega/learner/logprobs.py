@@ -23,6 +23,7 @@ sequence-parallel hidden first).
 `flat_token_logprobs` is the same quantity for the one-row-per-path layout
 (`FlatPaths`), the baseline that the packed layout must reproduce.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -87,9 +88,16 @@ def packed_token_logprobs(
     rows = hidden.index_select(0, prev.index_select(0, sel))  # (M, H)
     targets = packed.tokens.to(hidden.device).index_select(0, sel)  # (M,)
     out = token_logprobs(
-        rows, output_weight, targets, tp_group=tp_group, vocab_start=vocab_start,
-        with_entropy=with_entropy, temperature=temperature, backend=backend,
-        reduce_grad_hidden=reduce_grad_hidden, vocab_size=vocab_size,
+        rows,
+        output_weight,
+        targets,
+        tp_group=tp_group,
+        vocab_start=vocab_start,
+        with_entropy=with_entropy,
+        temperature=temperature,
+        backend=backend,
+        reduce_grad_hidden=reduce_grad_hidden,
+        vocab_size=vocab_size,
     )
     if not with_entropy:
         return _scatter(out, sel, T)
@@ -126,8 +134,15 @@ def flat_token_logprobs(
     rows = hidden.reshape(L * S, -1).index_select(0, sel - 1)  # (M, H): position s - 1
     targets = flat.tokens.to(hidden.device).reshape(-1).index_select(0, sel)
     out = token_logprobs(
-        rows, output_weight, targets, tp_group=tp_group, vocab_start=vocab_start,
-        with_entropy=with_entropy, temperature=temperature, backend=backend, vocab_size=vocab_size,
+        rows,
+        output_weight,
+        targets,
+        tp_group=tp_group,
+        vocab_start=vocab_start,
+        with_entropy=with_entropy,
+        temperature=temperature,
+        backend=backend,
+        vocab_size=vocab_size,
     )
     if not with_entropy:
         return _scatter(out, sel, L * S).view(L, S)

@@ -52,6 +52,7 @@ whose min picked the clipped branch; gspo: share of sequences outside the clip r
 dual_clip_fraction, ratio_mean, ratio_max, approx_kl (k3 of the ratio: mean of r − 1 − log r),
 kl_ref / entropy when their coefficients are non-zero.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,9 +67,22 @@ from trace_mega.registry import Registry
 from trace_mega.rollout.tree import PackedTrees
 
 __all__ = [
-    "LOSSES", "LossOutput", "LossFn", "AGGREGATIONS", "aggregation_coefficients", "unit_count",
-    "resolve_clip", "aggregation_mode", "path_token_index", "compute_loss", "ppo_clip_token", "dapo", "gspo", "kl_k3",
-    "rollout_is_weights", "LOG_RATIO_CLAMP",
+    "LOSSES",
+    "LossOutput",
+    "LossFn",
+    "AGGREGATIONS",
+    "aggregation_coefficients",
+    "unit_count",
+    "resolve_clip",
+    "aggregation_mode",
+    "path_token_index",
+    "compute_loss",
+    "ppo_clip_token",
+    "dapo",
+    "gspo",
+    "kl_k3",
+    "rollout_is_weights",
+    "LOG_RATIO_CLAMP",
 ]
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "prompt_mean", "seq_mean_token_sum_norm")
@@ -94,8 +108,10 @@ LOSSES: Registry[LossFn] = Registry("loss")
 def resolve_clip(cfg: LossConfig, name: Optional[str] = None) -> tuple[float, float]:
     """(ε_low, ε_high): the config's values, or the named loss's defaults where they are None."""
     lo, hi = _CLIP_DEFAULTS[name or cfg.name]
-    return (lo if cfg.clip_eps_low is None else cfg.clip_eps_low,
-            hi if cfg.clip_eps_high is None else cfg.clip_eps_high)
+    return (
+        lo if cfg.clip_eps_low is None else cfg.clip_eps_low,
+        hi if cfg.clip_eps_high is None else cfg.clip_eps_high,
+    )
 
 
 def aggregation_mode(cfg: LossConfig) -> str:
@@ -166,7 +182,9 @@ def _tree_sums(packed: PackedTrees, values: torch.Tensor) -> torch.Tensor:
 
 
 def aggregation_coefficients(
-    packed: PackedTrees, mode: str, global_units: Optional[float | torch.Tensor] = None,
+    packed: PackedTrees,
+    mode: str,
+    global_units: Optional[float | torch.Tensor] = None,
     seq_norm_tokens: Optional[int] = None,
 ) -> torch.Tensor:
     """(T,) coefficients c with L = Σ_t c_t ℓ_t for aggregation `mode` (module docstring)."""
@@ -203,8 +221,9 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: Optional[fl
     return kl if clamp is None else kl.clamp(max=clamp)
 
 
-def rollout_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, packed: PackedTrees,
-                       mode: str, cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def rollout_is_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, packed: PackedTrees, mode: str, cap: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(T,) detached truncated importance weights of the learner's π_old against the engine's π_beh.
 
     token:    w_t = min(π_old(y_t) / π_beh(y_t), C)
@@ -238,8 +257,11 @@ def rollout_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
     w = torch.where(mask, w, torch.ones_like(w))
     mf = mask.to(w.dtype)
     cnt = mf.sum().clamp(min=1)
-    metrics = {"rollout_is_mean": (w * mf).sum() / cnt, "rollout_is_max": (w * mf).max() if w.numel() else w.sum(),
-               "rollout_is_capped_fraction": (capped.to(w.dtype) * mf).sum() / cnt}
+    metrics = {
+        "rollout_is_mean": (w * mf).sum() / cnt,
+        "rollout_is_max": (w * mf).max() if w.numel() else w.sum(),
+        "rollout_is_capped_fraction": (capped.to(w.dtype) * mf).sum() / cnt,
+    }
     return w.detach(), metrics
 
 
@@ -293,8 +315,9 @@ def _finish(policy, coef, mask, logprobs, cfg, ref_logprobs, entropy, metrics) -
     return LossOutput(loss, metrics)
 
 
-def _clipped_token_loss(logprobs, packed, cfg, mode, eps, old_logprobs, ref_logprobs, entropy,
-                        global_units, is_weights) -> LossOutput:
+def _clipped_token_loss(
+    logprobs, packed, cfg, mode, eps, old_logprobs, ref_logprobs, entropy, global_units, is_weights
+) -> LossOutput:
     mask, x, adv = _inputs(logprobs, packed, old_logprobs)
     coef = aggregation_coefficients(packed, mode, global_units, cfg.seq_norm_tokens).to(logprobs)  # (T,)
     ratio = torch.exp(x)  # (T,)
@@ -306,34 +329,82 @@ def _clipped_token_loss(logprobs, packed, cfg, mode, eps, old_logprobs, ref_logp
     policy = (coef * surr).sum()
     was_clipped = (clipped * adv < ratio * adv).float()  # the min picked the clipped branch
     total = coef.sum().clamp(min=1e-12).detach()
-    metrics = {"clip_fraction": (coef * was_clipped).sum().detach() / total,
-               "dual_clip_fraction": (coef * dual.float()).sum().detach() / total,
-               **_ratio_metrics(coef, mask, x)}
+    metrics = {
+        "clip_fraction": (coef * was_clipped).sum().detach() / total,
+        "dual_clip_fraction": (coef * dual.float()).sum().detach() / total,
+        **_ratio_metrics(coef, mask, x),
+    }
     return _finish(policy, coef, mask, logprobs, cfg, ref_logprobs, entropy, metrics)
 
 
 @LOSSES.register("ppo_clip_token")
-def ppo_clip_token(logprobs, packed, cfg: LossConfig, *, old_logprobs=None, ref_logprobs=None,
-                   entropy=None, global_units=None, is_weights=None) -> LossOutput:
+def ppo_clip_token(
+    logprobs,
+    packed,
+    cfg: LossConfig,
+    *,
+    old_logprobs=None,
+    ref_logprobs=None,
+    entropy=None,
+    global_units=None,
+    is_weights=None,
+) -> LossOutput:
     """GRPO's token-level PPO-clip; aggregation `cfg.aggregation`, default token_mean (unit: tokens)."""
-    return _clipped_token_loss(logprobs, packed, cfg, cfg.aggregation or "token_mean",
-                               resolve_clip(cfg, "ppo_clip_token"),
-                               old_logprobs, ref_logprobs, entropy, global_units, is_weights)
+    return _clipped_token_loss(
+        logprobs,
+        packed,
+        cfg,
+        cfg.aggregation or "token_mean",
+        resolve_clip(cfg, "ppo_clip_token"),
+        old_logprobs,
+        ref_logprobs,
+        entropy,
+        global_units,
+        is_weights,
+    )
 
 
 @LOSSES.register("dapo")
-def dapo(logprobs, packed, cfg: LossConfig, *, old_logprobs=None, ref_logprobs=None,
-         entropy=None, global_units=None, is_weights=None) -> LossOutput:
+def dapo(
+    logprobs,
+    packed,
+    cfg: LossConfig,
+    *,
+    old_logprobs=None,
+    ref_logprobs=None,
+    entropy=None,
+    global_units=None,
+    is_weights=None,
+) -> LossOutput:
     """DAPO: clip-higher token PPO-clip, token_mean over the whole batch (unit: tokens)."""
     if cfg.aggregation not in (None, "token_mean"):
         raise ValueError(f"dapo aggregates by token_mean (its token-level loss), not {cfg.aggregation!r}")
-    return _clipped_token_loss(logprobs, packed, cfg, "token_mean", resolve_clip(cfg, "dapo"),
-                               old_logprobs, ref_logprobs, entropy, global_units, is_weights)
+    return _clipped_token_loss(
+        logprobs,
+        packed,
+        cfg,
+        "token_mean",
+        resolve_clip(cfg, "dapo"),
+        old_logprobs,
+        ref_logprobs,
+        entropy,
+        global_units,
+        is_weights,
+    )
 
 
 @LOSSES.register("gspo")
-def gspo(logprobs, packed, cfg: LossConfig, *, old_logprobs=None, ref_logprobs=None,
-         entropy=None, global_units=None, is_weights=None) -> LossOutput:
+def gspo(
+    logprobs,
+    packed,
+    cfg: LossConfig,
+    *,
+    old_logprobs=None,
+    ref_logprobs=None,
+    entropy=None,
+    global_units=None,
+    is_weights=None,
+) -> LossOutput:
     """GSPO (GSPO-token form): sequence-level ratio per root-to-leaf path, sequence_mean (unit: sequences)."""
     if cfg.aggregation not in (None, "sequence_mean"):
         raise ValueError(f"gspo aggregates by sequence_mean (unit: sequences), not {cfg.aggregation!r}")

@@ -15,6 +15,7 @@
   is the (vocab-parallel) LM-head weight to pair with the hidden states.
 * `model_config_from_hf(hf_config)` reads Qwen3 / Qwen3-MoE / Qwen2 / Llama configs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,18 @@ from trace_mega.config import ModelConfig, ParallelConfig
 from trace_mega.learner.attention import TreeCoreAttention
 
 __all__ = [
-    "RMSNorm", "TreeGPTModel", "transformer_config", "layer_spec", "build_model", "padded_vocab_size",
-    "forward_packed", "output_weight", "model_config_from_hf", "unwrap", "ACTIVATIONS", "HF_ACTIVATIONS",
+    "RMSNorm",
+    "TreeGPTModel",
+    "transformer_config",
+    "layer_spec",
+    "build_model",
+    "padded_vocab_size",
+    "forward_packed",
+    "output_weight",
+    "model_config_from_hf",
+    "unwrap",
+    "ACTIVATIONS",
+    "HF_ACTIVATIONS",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,8 +65,14 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": 
 
 # HF `hidden_act` -> ModelConfig.activation: exactly the same function (transformers' ACT2FN), so
 # the conversion is exact. Every other value is refused at load.
-HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                  "gelu_new": "gelu_tanh", "relu": "relu"}
+HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "relu": "relu",
+}
 
 
 class RMSNorm(torch.nn.Module):
@@ -93,8 +110,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, device: tor
     dtype = _DTYPES[model.params_dtype]
     moe = model.num_experts is not None
     if moe and model.moe_router_topk == 1 and model.moe_norm_topk_prob:
-        raise ValueError("model.moe_norm_topk_prob with moe_router_topk 1 (HF norm_topk_prob at num_experts_per_tok "
-                         "1): megatron-core's top-1 router is pre-softmax only; set moe_norm_topk_prob false")
+        raise ValueError(
+            "model.moe_norm_topk_prob with moe_router_topk 1 (HF norm_topk_prob at num_experts_per_tok "
+            "1): megatron-core's top-1 router is pre-softmax only; set moe_norm_topk_prob false"
+        )
     kwargs: dict[str, Any] = {}
     if moe:
         kwargs.update(
@@ -164,7 +183,9 @@ def layer_spec(model: ModelConfig, config: TransformerConfig, device: torch.devi
         attn.submodules = dataclasses.replace(attn.submodules, core_attention=attention_leaf)
         return spec
     spec = get_gpt_layer_local_spec(
-        num_experts=model.num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm,
+        num_experts=model.num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=model.qk_layernorm,
         normalization="RMSNorm",
     )
     attn = spec.submodules.self_attention
@@ -268,8 +289,13 @@ class TreeGPTModel(GPTModel):
 
 
 def build_model(
-    model: ModelConfig, parallel: ParallelConfig, pgs: ProcessGroupCollection, device: torch.device,
-    pp_rank: int, pp_size: int, vocab_multiple: Optional[int] = None,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    pgs: ProcessGroupCollection,
+    device: torch.device,
+    pp_rank: int,
+    pp_size: int,
+    vocab_multiple: Optional[int] = None,
 ) -> TreeGPTModel:
     """This pipeline stage's `TreeGPTModel` on `device` (unwrapped; see optim.wrap_ddp).
 
@@ -361,9 +387,11 @@ def _refuse_sliding_window(hf_config: Any) -> None:
         sliding = list(range(hf_config.num_hidden_layers)) if getattr(hf_config, "use_sliding_window", False) else []
         field = "use_sliding_window"
     if sliding and window is not None and window < hf_config.max_position_embeddings:
-        raise ValueError(f"HF config {field} puts layers {sliding} on sliding-window attention "
-                         f"(sliding_window={window} < max_position_embeddings={hf_config.max_position_embeddings}); "
-                         "the learner's tree attention is full causal and cannot represent it exactly")
+        raise ValueError(
+            f"HF config {field} puts layers {sliding} on sliding-window attention "
+            f"(sliding_window={window} < max_position_embeddings={hf_config.max_position_embeddings}); "
+            "the learner's tree attention is full causal and cannot represent it exactly"
+        )
 
 
 def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
@@ -379,8 +407,10 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         raise ValueError("Qwen3 with attention_bias is not supported")
     act = getattr(hf_config, "hidden_act", "silu")
     if act not in HF_ACTIVATIONS:
-        raise ValueError(f"HF config hidden_act={act!r} is not supported: megatron's gated MLP is built here with "
-                         f"one of {sorted(HF_ACTIVATIONS)}")
+        raise ValueError(
+            f"HF config hidden_act={act!r} is not supported: megatron's gated MLP is built here with "
+            f"one of {sorted(HF_ACTIVATIONS)}"
+        )
     _refuse_sliding_window(hf_config)
     fields: dict[str, Any] = dict(
         activation=HF_ACTIVATIONS[act],
@@ -404,9 +434,11 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         if hf_config.num_experts_per_tok == 1 and hf_config.norm_topk_prob:
             # Top-1 renormalised: every routed weight is exactly 1. megatron-core's router only has
             # top-1 as pre-softmax (weight = the softmax probability), which is a different model.
-            raise ValueError("HF config num_experts_per_tok=1 with norm_topk_prob=true (every routed weight is 1) "
-                             "cannot be represented by megatron-core's router (top-1 needs pre-softmax "
-                             "routing, weight = softmax probability); only norm_topk_prob=false converts at top-1")
+            raise ValueError(
+                "HF config num_experts_per_tok=1 with norm_topk_prob=true (every routed weight is 1) "
+                "cannot be represented by megatron-core's router (top-1 needs pre-softmax "
+                "routing, weight = softmax probability); only norm_topk_prob=false converts at top-1"
+            )
         fields.update(
             num_experts=getattr(hf_config, "num_experts", None) or hf_config.num_local_experts,
             moe_router_topk=hf_config.num_experts_per_tok,

@@ -22,6 +22,7 @@ NaN/inf guard: when the loss or the global gradient norm is not finite the
 update is skipped on every rank (gradients dropped, weights untouched) and the
 returned metrics say `skipped=1.0`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,7 +60,10 @@ def wrap_ddp(net: torch.nn.Module, parallel: ParallelConfig, groups: ParallelGro
 
 
 def build_optimizer(
-    chunks: list[DistributedDataParallel], optim: OptimConfig, parallel: ParallelConfig, groups: ParallelGroups,
+    chunks: list[DistributedDataParallel],
+    optim: OptimConfig,
+    parallel: ParallelConfig,
+    groups: ParallelGroups,
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """megatron Adam (distributed over DP when configured) + LR schedule; wires the model config."""
     model_config = chunks[0].config
@@ -102,9 +106,7 @@ def build_optimizer(
 def _forward_step(loss_fn: LossFn, output: str, data_iterator, model):
     """megatron `forward_step_func`: run one micro-batch, return (output, loss closure)."""
     batch = next(data_iterator)
-    out = model(
-        batch["input_ids"], batch["position_ids"], batch.get("tree_mask"), return_hidden=output == "hidden"
-    )
+    out = model(batch["input_ids"], batch["position_ids"], batch.get("tree_mask"), return_hidden=output == "hidden")
     return out, partial(_loss_closure, loss_fn, output, batch)
 
 

@@ -8,13 +8,13 @@ tracker. It returns a `ParallelGroups`: the ranks/sizes and megatron's
 `ProcessGroupCollection`, which the model, optimizer and step code receive as
 an argument instead of reading globals.
 """
+
 from __future__ import annotations
 
 import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -84,8 +84,9 @@ def init_parallel(cfg: ParallelConfig, seed: int = 0) -> ParallelGroups:
         if world_size == 1 and "MASTER_PORT" not in os.environ:
             # A lone process (no torchrun): its own free port, passed directly rather than through
             # os.environ, which every subprocess it starts would inherit (and collide on).
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout
+            )
         else:
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     tp, pp, ep = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.expert_model_parallel_size
@@ -124,4 +125,3 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-

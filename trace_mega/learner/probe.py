@@ -20,6 +20,7 @@ paired with `output_weight` (the fused vocab-parallel log-prob kernel), or logit
 the learner's `TreeGPTModel`; `hf_packed_forward` a transformers causal LM (explicit
 4-D additive tree mask + position ids).
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,9 +33,18 @@ from trace_mega.learner.logprobs import packed_token_logprobs
 from trace_mega.rollout.tree import Node, PackedTrees, RolloutTree, pack
 
 __all__ = [
-    "PackedForward", "ProbeBatch", "ProbeResult", "answer_token_ids", "boundary_nodes", "check_answer_length",
+    "PackedForward",
+    "ProbeBatch",
+    "ProbeResult",
+    "answer_token_ids",
+    "boundary_nodes",
+    "check_answer_length",
     "check_task_answers",
-    "build_probe_batch", "run_probe", "reference_probe", "hf_packed_forward", "megatron_packed_forward",
+    "build_probe_batch",
+    "run_probe",
+    "reference_probe",
+    "hf_packed_forward",
+    "megatron_packed_forward",
 ]
 
 # (tokens, position_ids, token_node, token_node_exit), (1, T) each -> (T, H) hidden states or (T, V)
@@ -70,11 +80,13 @@ def check_answer_length(gold_ids: Sequence[int], gold: str, max_answer_tokens: O
             f"{where}: gold answer {gold[:60]!r}{'...' if len(gold) > 60 else ''} is {len(gold_ids)} tokens, more "
             f"than credit.max_answer_tokens = {max_answer_tokens}; TRACE-C scores compact verifiable answers only "
             "(the mean log-prob of a long answer is an unreliable state value). Shorten the gold answers, raise "
-            "credit.max_answer_tokens knowingly, or switch credit off for this environment.")
+            "credit.max_answer_tokens knowingly, or switch credit off for this environment."
+        )
 
 
-def check_task_answers(tasks: Sequence, tokenize: Callable[[str], list[int]], answer_template: str,
-                       max_answer_tokens: Optional[int]) -> None:
+def check_task_answers(
+    tasks: Sequence, tokenize: Callable[[str], list[int]], answer_template: str, max_answer_tokens: Optional[int]
+) -> None:
     """Before training: every task (`trace_mega.envs.base.Task`) has a gold answer the probe will score."""
     for task in tasks:
         if task.gold_answer is None:
@@ -125,8 +137,16 @@ def build_probe_batch(trees: Sequence[RolloutTree], answers: Sequence[tuple[list
         ids = tmpl + gold
         for old in keep:  # probe leaves get local ids len(keep) ... in the same order
             owner[(ti, len(t.nodes))] = old
-            t.nodes.append(Node(new_id[old], list(ids), [0] * len(tmpl) + [1] * len(gold), [0.0] * len(ids),
-                                kind="final", reward=0.0))
+            t.nodes.append(
+                Node(
+                    new_id[old],
+                    list(ids),
+                    [0] * len(tmpl) + [1] * len(gold),
+                    [0.0] * len(ids),
+                    kind="final",
+                    reward=0.0,
+                )
+            )
         probe_trees.append(t)
     packed = pack(probe_trees)
     # Only the gold tokens of the probe nodes are scored, never the trees' own tokens.
@@ -148,13 +168,19 @@ class ProbeResult:
 
     def for_packed(self, packed: PackedTrees) -> torch.Tensor:
         """(N,) ℓ̄ in the global node order of `packed` (packed from the same trees, same order)."""
-        return torch.stack([self.ell[ti][lid] for ti, lid in packed.node_local]) if packed.num_nodes \
-            else torch.zeros(0)
+        return torch.stack([self.ell[ti][lid] for ti, lid in packed.node_local]) if packed.num_nodes else torch.zeros(0)
 
 
 @torch.no_grad()
-def run_probe(model: PackedForward, batch: ProbeBatch, *, output_weight: Optional[torch.Tensor] = None,
-              tp_group=None, vocab_start: int = 0, vocab_size: Optional[int] = None) -> torch.Tensor:
+def run_probe(
+    model: PackedForward,
+    batch: ProbeBatch,
+    *,
+    output_weight: Optional[torch.Tensor] = None,
+    tp_group=None,
+    vocab_start: int = 0,
+    vocab_size: Optional[int] = None,
+) -> torch.Tensor:
     """(Q,) ℓ̄ of every probe of `batch` from one forward of the frozen reference.
 
     ℓ̄_q = Σ_{gold tokens t of probe q} logp_t / |y*|, logp_t under the logits at prev_index[t].
@@ -166,15 +192,17 @@ def run_probe(model: PackedForward, batch: ProbeBatch, *, output_weight: Optiona
     out = out[0] if out.dim() == 3 else out  # (T, H) or (T, V)
     p = p.to(out.device)  # the model may run on an accelerator; the batch is built on the host
     if output_weight is not None:
-        lp = packed_token_logprobs(out, output_weight, p, tp_group=tp_group, vocab_start=vocab_start,
-                                   vocab_size=vocab_size)
+        lp = packed_token_logprobs(
+            out, output_weight, p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size
+        )
     else:
         if tp_group is not None:
             raise ValueError("vocab-parallel probing needs hidden states and output_weight")
         sel = torch.nonzero(p.loss_mask & (p.prev_index >= 0)).squeeze(1)  # (M,)
         logp = torch.log_softmax(out.index_select(0, p.prev_index[sel]).float(), dim=-1)  # (M, V)
         lp = out.new_zeros(p.num_tokens, dtype=torch.float32).index_copy(
-            0, sel, logp.gather(1, p.tokens[sel, None]).squeeze(1))
+            0, sel, logp.gather(1, p.tokens[sel, None]).squeeze(1)
+        )
     total = lp.new_zeros(p.num_nodes).index_add(0, p.token_node, lp.float())
     count = lp.new_zeros(p.num_nodes).index_add(0, p.token_node, p.loss_mask.float())
     return (total / count.clamp(min=1))[batch.probe_node.to(lp.device)].cpu()
@@ -194,10 +222,19 @@ def _chunks(trees: Sequence[RolloutTree], sizes: Sequence[int], max_tokens: Opti
     return groups + ([cur] if cur else [])
 
 
-def reference_probe(model: PackedForward, trees: Sequence[RolloutTree], tokenize: Callable[[str], list[int]],
-                    answer_template: str, *, output_weight: Optional[torch.Tensor] = None,
-                    tp_group=None, vocab_start: int = 0, max_tokens: Optional[int] = None,
-                    max_answer_tokens: Optional[int] = None, vocab_size: Optional[int] = None) -> ProbeResult:
+def reference_probe(
+    model: PackedForward,
+    trees: Sequence[RolloutTree],
+    tokenize: Callable[[str], list[int]],
+    answer_template: str,
+    *,
+    output_weight: Optional[torch.Tensor] = None,
+    tp_group=None,
+    vocab_start: int = 0,
+    max_tokens: Optional[int] = None,
+    max_answer_tokens: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> ProbeResult:
     """ℓ̄ at every boundary of every tree, one forward per group of trees (≤ `max_tokens` packed tokens).
 
     A gold answer longer than `max_answer_tokens` tokens raises ValueError (`check_answer_length`);
@@ -208,13 +245,15 @@ def reference_probe(model: PackedForward, trees: Sequence[RolloutTree], tokenize
             raise ValueError(f"tree {tree.prompt_id!r} has no gold_answer to probe")
         answers.append(answer_token_ids(tokenize, answer_template, tree.gold_answer))
         check_answer_length(answers[-1][1], tree.gold_answer, max_answer_tokens, f"tree {tree.prompt_id!r}")
-    sizes = [sum(len(t.nodes[b].token_ids) + sum(map(len, a)) for b in boundary_nodes(t))
-             for t, a in zip(trees, answers)]  # probe-stream tokens of each tree
+    sizes = [
+        sum(len(t.nodes[b].token_ids) + sum(map(len, a)) for b in boundary_nodes(t)) for t, a in zip(trees, answers)
+    ]  # probe-stream tokens of each tree
     ell = [torch.full((len(t),), float("nan")) for t in trees]
     for group in _chunks(trees, sizes, max_tokens):
         batch = build_probe_batch([trees[i] for i in group], [answers[i] for i in group])
-        values = run_probe(model, batch, output_weight=output_weight, tp_group=tp_group, vocab_start=vocab_start,
-                           vocab_size=vocab_size)
+        values = run_probe(
+            model, batch, output_weight=output_weight, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size
+        )
         for (ti, lid), v in zip(batch.boundary, values):
             ell[group[ti]][lid] = v
     return ProbeResult(ell)
@@ -234,8 +273,9 @@ def hf_packed_forward(hf_model: torch.nn.Module) -> PackedForward:
         allowed = tree_mask(token_node, token_node_exit).to(param.device)  # (1, T, T) bool
         mask = torch.zeros(allowed.shape, dtype=param.dtype, device=param.device)
         mask.masked_fill_(~allowed, torch.finfo(param.dtype).min)
-        out = hf_model(input_ids=tokens.to(param.device), attention_mask=mask[:, None],
-                       position_ids=position_ids.to(param.device))
+        out = hf_model(
+            input_ids=tokens.to(param.device), attention_mask=mask[:, None], position_ids=position_ids.to(param.device)
+        )
         return out.logits[0]  # (T, V)
 
     return forward
@@ -268,8 +308,9 @@ def megatron_packed_forward(model: torch.nn.Module, pad_multiple: Optional[int] 
             tokens, token_node, token_node_exit = fill(tokens, 0), fill(token_node, extra), fill(token_node_exit, extra)
             position_ids = torch.cat([position_ids, torch.arange(pad)[None]], dim=1)
         mask = tree_attention_mask(token_node.to(dev), token_node_exit.to(dev))
-        out = forward_only(model, [{"input_ids": tokens.to(dev), "position_ids": position_ids.to(dev),
-                                    "tree_mask": mask}])
+        out = forward_only(
+            model, [{"input_ids": tokens.to(dev), "position_ids": position_ids.to(dev), "tree_mask": mask}]
+        )
         return out[0][0, :T] if out else None  # (T, H)
 
     return forward

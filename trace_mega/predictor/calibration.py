@@ -3,6 +3,7 @@
 Targets may be soft (an internal node's target is the mean reward of its
 terminal descendants), so every metric is defined for targets in [0, 1].
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,8 +36,9 @@ class Calibration:
         return 1.0 - self.brier / self.brier_constant
 
 
-def calibration(pred: torch.Tensor, target: torch.Tensor, num_bins: int = 10,
-                constant: float | None = None) -> Calibration:
+def calibration(
+    pred: torch.Tensor, target: torch.Tensor, num_bins: int = 10, constant: float | None = None
+) -> Calibration:
     """Calibration of predictions `pred` (N,) in [0, 1] against targets (N,) in [0, 1].
 
     `constant` is the constant predictor to compare with; the default, the
@@ -82,8 +84,13 @@ def plot_reliability(cal: Calibration, path: str | Path, title: str = "Predictor
     sizes = [20 + 200 * c / max(1, max(cal.bin_count, default=1)) for c in cal.bin_count]
     ax.scatter(cal.bin_confidence, cal.bin_accuracy, s=sizes, zorder=3)
     ax.plot(cal.bin_confidence, cal.bin_accuracy, "-o", ms=0)
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="predicted success", ylabel="observed success",
-           title=f"{title}\nBrier {cal.brier:.3f} (const {cal.brier_constant:.3f}), ECE {cal.ece:.3f}")
+    ax.set(
+        xlim=(0, 1),
+        ylim=(0, 1),
+        xlabel="predicted success",
+        ylabel="observed success",
+        title=f"{title}\nBrier {cal.brier:.3f} (const {cal.brier_constant:.3f}), ECE {cal.ece:.3f}",
+    )
     ax.legend(loc="upper left")
     fig.tight_layout()
     path = Path(path)

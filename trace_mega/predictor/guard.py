@@ -17,6 +17,7 @@ no held-out constant), so a predictor is read only once it has been measured to 
 no worse than the constant. The predictor keeps fitting (and being measured) either
 way, so it takes over when its skill reaches the threshold.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,9 @@ class SkillGuard:
     def update(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Fold in one fit's `predictor/brier` and `predictor/brier_constant` (a fit with no
         previous constant, skill NaN, is skipped); returns the guard's metrics."""
-        b, c, s = (metrics.get(k, float("nan")) for k in ("predictor/brier", "predictor/brier_constant",
-                                                         "predictor/skill"))
+        b, c, s = (
+            metrics.get(k, float("nan")) for k in ("predictor/brier", "predictor/brier_constant", "predictor/skill")
+        )
         if s == s and math.isfinite(b) and math.isfinite(c):
             if self.brier != self.brier:
                 self.brier, self.brier_constant = float(b), float(c)

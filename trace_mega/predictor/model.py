@@ -16,6 +16,7 @@ reads the step record (`fit_step`): its layout and, for `value_head`, the policy
 hidden states the update already computed for this data-parallel rank's trees;
 each rank fits on its share and the gradients are summed over DP.
 """
+
 from __future__ import annotations
 
 import collections
@@ -79,9 +80,14 @@ class Predictor(ABC, nn.Module):
         self.train(was_training)
         return out
 
-    def fit(self, packed: PackedTrees, samples: PredictorSamples, hidden: Optional[torch.Tensor] = None,
-            replay: Sequence[tuple[PackedTrees, PredictorSamples, Optional[torch.Tensor]]] = (),
-            group: Optional[dist.ProcessGroup] = None) -> dict:
+    def fit(
+        self,
+        packed: PackedTrees,
+        samples: PredictorSamples,
+        hidden: Optional[torch.Tensor] = None,
+        replay: Sequence[tuple[PackedTrees, PredictorSamples, Optional[torch.Tensor]]] = (),
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> dict:
         """`cfg.updates_per_step` BCE steps on `samples` plus the older `replay` batches (oldest
         first; a batch k steps old weighs `cfg.replay_decay`**k); returns metrics.
 
@@ -103,7 +109,8 @@ class Predictor(ABC, nn.Module):
         # (3, S_total): predictions, targets, is-root of the whole list; each rank fills its rows.
         whole = torch.zeros(3, samples.num_total, device=dev)
         whole[:, samples.positions.to(dev)] = torch.stack(
-            [before.float(), samples.target.to(dev), samples.is_root.to(dev).float()])
+            [before.float(), samples.target.to(dev), samples.is_root.to(dev).float()]
+        )
         if group is not None:
             dist.all_reduce(whole, group=group)
         before, target, is_root = whole[0].cpu(), whole[1].cpu(), whole[2].cpu()
@@ -119,15 +126,16 @@ class Predictor(ABC, nn.Module):
         batches = [(packed, samples, hidden, 1.0)]
         for age, (p, s, h) in enumerate(reversed(list(replay)), start=1):
             if s.num_total:
-                batches.append((p, s, h, self.cfg.replay_decay ** age))
+                batches.append((p, s, h, self.cfg.replay_decay**age))
         norm = sum(w for *_, w in batches)
         loss = torch.zeros(())
         for _ in range(self.cfg.updates_per_step):
             loss = torch.zeros((), device=dev)
             for p, s, h, w in batches:
                 if s.node.numel():  # a rank may hold none of a batch's samples
-                    bce = F.binary_cross_entropy_with_logits(self.logits(p, s.node, h), s.target.to(dev),
-                                                             weight=s.weight.to(dev), reduction="sum")
+                    bce = F.binary_cross_entropy_with_logits(
+                        self.logits(p, s.node, h), s.target.to(dev), weight=s.weight.to(dev), reduction="sum"
+                    )
                     loss = loss + (w / norm) * bce / s.num_total
             self.optimizer.zero_grad(set_to_none=True)
             if loss.requires_grad:
@@ -180,8 +188,10 @@ class Predictor(ABC, nn.Module):
         if not self.needs_policy_hidden:
             return None
         if batch.hidden is None:
-            raise ValueError(f"{type(self).__name__} reads the policy's hidden states of the step's layout: "
-                             "run Learner.train_step on the step first")
+            raise ValueError(
+                f"{type(self).__name__} reads the policy's hidden states of the step's layout: "
+                "run Learner.train_step on the step first"
+            )
         return batch.hidden
 
     def build_optimizer(self) -> None:
@@ -195,11 +205,19 @@ def _root_calibration(before: torch.Tensor, target: torch.Tensor, is_root: torch
     n = int(is_root.sum())
     if n == 0 or prior != prior:
         nan = float("nan")
-        return {"predictor/root_samples": n, "predictor/root_brier": nan, "predictor/root_brier_constant": nan,
-                "predictor/root_skill": nan}
+        return {
+            "predictor/root_samples": n,
+            "predictor/root_brier": nan,
+            "predictor/root_brier_constant": nan,
+            "predictor/root_skill": nan,
+        }
     cal = calibration(before[is_root], target[is_root], constant=prior)
-    return {"predictor/root_samples": n, "predictor/root_brier": cal.brier,
-            "predictor/root_brier_constant": cal.brier_constant, "predictor/root_skill": cal.skill}
+    return {
+        "predictor/root_samples": n,
+        "predictor/root_brier": cal.brier,
+        "predictor/root_brier_constant": cal.brier_constant,
+        "predictor/root_skill": cal.skill,
+    }
 
 
 def _anchor(prior: torch.Tensor) -> torch.Tensor:
@@ -246,8 +264,9 @@ class ValueHeadPredictor(Predictor):
 
     @staticmethod
     def _scores(hidden: torch.Tensor, positions: torch.Tensor, head: nn.Linear) -> torch.Tensor:
-        return boundary_scores(hidden.detach(), positions, head.weight.view(-1), head.bias.view(()),
-                               return_logits=True)[1]
+        return boundary_scores(
+            hidden.detach(), positions, head.weight.view(-1), head.bias.view(()), return_logits=True
+        )[1]
 
 
 def _node_token_sums(packed: PackedTrees, weight: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
@@ -285,8 +304,16 @@ class _Block(nn.Module):
 class SmallModelPredictor(Predictor):
     """A separate small transformer over the packed tokens (tree attention), value head at node ends."""
 
-    def __init__(self, cfg: PredictorConfig, vocab_size: int, max_positions: int = 4096,
-                 width: int = 64, layers: int = 2, heads: int = 4, **_: object) -> None:
+    def __init__(
+        self,
+        cfg: PredictorConfig,
+        vocab_size: int,
+        max_positions: int = 4096,
+        width: int = 64,
+        layers: int = 2,
+        heads: int = 4,
+        **_: object,
+    ) -> None:
         super().__init__(cfg)
         self.embed = nn.Embedding(vocab_size, width)
         self.pos = nn.Embedding(max_positions, width)

@@ -6,6 +6,7 @@ prefixes (non-root, non-terminal nodes, H_t); terminal states need no
 prediction. The root/prefix mix is reported and can be re-weighted to a
 configured prefix fraction.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,14 @@ class PredictorSamples:
     def share(self, packed: PackedTrees, trees: Sequence[int]) -> "PredictorSamples":
         """The samples on trees `trees` of `packed`, with node ids in `packed.select(trees)`."""
         idx, local = packed.nodes_in(trees, self.node)
-        return PredictorSamples(node=local, target=self.target[idx], weight=self.weight[idx],
-                                is_root=self.is_root[idx], index=self.positions[idx], total=self.num_total)
+        return PredictorSamples(
+            node=local,
+            target=self.target[idx],
+            weight=self.weight[idx],
+            is_root=self.is_root[idx],
+            index=self.positions[idx],
+            total=self.num_total,
+        )
 
     @property
     def prefix_fraction(self) -> float:

@@ -51,6 +51,7 @@ that draws its episode randomness from one master RNG at reset/fork time
 (the synthetic ones) gives an episode the same randomness whatever ran
 before it on this process.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -180,8 +181,10 @@ class AgentLoop:
         max_tool_calls_per_turn: int = 8,
     ) -> None:
         if tool_timeout_s <= 0 or tool_workers < 1 or max_tool_calls_per_turn < 1:
-            raise ValueError("need tool_timeout_s > 0, tool_workers >= 1 and max_tool_calls_per_turn >= 1, got "
-                             f"{tool_timeout_s}, {tool_workers}, {max_tool_calls_per_turn}")
+            raise ValueError(
+                "need tool_timeout_s > 0, tool_workers >= 1 and max_tool_calls_per_turn >= 1, got "
+                f"{tool_timeout_s}, {tool_workers}, {max_tool_calls_per_turn}"
+            )
         self.env, self.engine, self.cfg = env, engine, rollout_cfg
         self.scaffold = ReactScaffold(tokenizer)
         # Multi-turn tasks (Env.next_turn overridden): an answer may be followed by a new user turn.
@@ -194,8 +197,9 @@ class AgentLoop:
         self.last_stats = RolloutStats()
 
     # --- public API ---------------------------------------------------------------
-    def rollout(self, tasks: list[Task], counts: list[int], seed: int = 0,
-                keys: Optional[Sequence[Hashable]] = None) -> list[RolloutTree]:
+    def rollout(
+        self, tasks: list[Task], counts: list[int], seed: int = 0, keys: Optional[Sequence[Hashable]] = None
+    ) -> list[RolloutTree]:
         """`counts[i]` bare rollouts of `tasks[i]`; one tree per task, in order (count 0: root only).
 
         `keys[i]` identifies tree i for seeding (default: i); a caller that rolls out one step's
@@ -210,8 +214,13 @@ class AgentLoop:
         trees, episodes = [], []
         for ti, (task, count) in enumerate(zip(tasks, counts)):
             prompt = self.scaffold.prompt_ids(task)
-            tree = RolloutTree(task.task_id, prompt, prompt_text=self.scaffold.decode(prompt),
-                               gold_answer=task.gold_answer, meta={"env": self.env.name, **_json_safe(task.meta)})
+            tree = RolloutTree(
+                task.task_id,
+                prompt,
+                prompt_text=self.scaffold.decode(prompt),
+                gold_answer=task.gold_answer,
+                meta={"env": self.env.name, **_json_safe(task.meta)},
+            )
             self.env.reseed(derive_seed(seed, keys[ti], "reset"))
             root_state = self.env.reset(task)
             tree.runtime = {"states": {0: root_state}, "key": keys[ti]}
@@ -242,8 +251,10 @@ class AgentLoop:
                 raise ValueError(f"continuation count must be a non-negative integer, got {k}")
             states = getattr(tree, "runtime", {}).get("states", {})
             if node_id not in states:
-                raise ValueError(f"tree {tree.prompt_id!r} keeps no environment state at node {node_id} "
-                                 "(loaded from JSONL, or released); it cannot be expanded")
+                raise ValueError(
+                    f"tree {tree.prompt_id!r} keeps no environment state at node {node_id} "
+                    "(loaded from JSONL, or released); it cannot be expanded"
+                )
             prefix = tree.prefix_token_ids(node_id)
             depth = tree.depth(node_id)
             key = tree.runtime.get("key", tree_idx)
@@ -254,8 +265,17 @@ class AgentLoop:
                 # A state fork cannot copy is shared instead: an episode's state is never changed in place
                 # (tools run on forks), and the continuation's tool turns report the failure.
                 fork, _why = self._fork(states[node_id], derive_seed(ep_seed, "fork"))
-                episodes.append(_Episode(tree_idx, node_id, False, list(prefix),
-                                         states[node_id] if fork is None else fork, depth, ep_seed))
+                episodes.append(
+                    _Episode(
+                        tree_idx,
+                        node_id,
+                        False,
+                        list(prefix),
+                        states[node_id] if fork is None else fork,
+                        depth,
+                        ep_seed,
+                    )
+                )
         self._run(trees, episodes)
 
     def _fork(self, state: EpisodeState, seed: int) -> tuple[Optional[EpisodeState], str]:
@@ -297,10 +317,13 @@ class AgentLoop:
                     ready.append(ep)
             if not ready:
                 break
-            sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                      max_new_tokens=cfg.max_new_tokens_per_turn,
-                                      stop_token_ids=list(self.scaffold.stop_token_ids),
-                                      seeds=[derive_seed(ep.seed, "generate", ep.turns) for ep in ready])
+            sampling = SamplingParams(
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens_per_turn,
+                stop_token_ids=list(self.scaffold.stop_token_ids),
+                seeds=[derive_seed(ep.seed, "generate", ep.turns) for ep in ready],
+            )
             t0 = time.perf_counter()
             completions = self.engine.generate([ep.prefix for ep in ready], sampling)
             stats.generate_s += time.perf_counter() - t0
@@ -336,8 +359,11 @@ class AgentLoop:
         # Tools offered now: an env may extend them mid-episode (BFCL miss_func reveals functions).
         tools = ep.state.data.get("tools", ep.state.task.tools)
         parsed = self.scaffold.parse(gen, tools, truncated=cut, max_tool_calls=self.max_tool_calls_per_turn)
-        info = {"finish_reason": "length" if cut else comp.finish_reason, "num_generated": len(gen),
-                "cached_prefix_tokens": comp.cached_prefix_tokens}
+        info = {
+            "finish_reason": "length" if cut else comp.finish_reason,
+            "num_generated": len(gen),
+            "cached_prefix_tokens": comp.cached_prefix_tokens,
+        }
         ep.turns += 1
         if parsed.final_answer is not None:
             stats.final_answers += 1
@@ -381,7 +407,7 @@ class AgentLoop:
         """Run the wave's tool jobs on the pool, `tool_workers` at a time; a turn's calls share one timeout."""
         pending = [t.job for t in turns if t.job is not None]
         for at in range(0, len(pending), self.tool_workers):
-            chunk = pending[at:at + self.tool_workers]
+            chunk = pending[at : at + self.tool_workers]
             limit = self.tool_timeout_s
             deadline = time.monotonic() + limit
             futures = {self._pool.submit(job.run, deadline): job for job in chunk}
@@ -393,9 +419,13 @@ class AgentLoop:
                 stats.tool_s += job.seconds
             for fut in not_done:
                 job = futures[fut]
-                job.observations = [error_observation(
-                    f"tool call {c.name!r} timed out after {self.tool_timeout_s:g} s (shared by this turn's tool "
-                    "calls); this turn's tool calls had no effect") for c in job.calls]
+                job.observations = [
+                    error_observation(
+                        f"tool call {c.name!r} timed out after {self.tool_timeout_s:g} s (shared by this turn's tool "
+                        "calls); this turn's tool calls had no effect"
+                    )
+                    for c in job.calls
+                ]
                 job.seconds = limit
                 stats.tool_timeouts += 1
             if not_done:  # hung workers stay busy: later chunks get a fresh pool
@@ -405,7 +435,15 @@ class AgentLoop:
 
     def _attach_observation(self, tree: RolloutTree, turn: _PendingTurn, stats: RolloutStats) -> bool:
         """Append what follows a turn (tool results, an error, or the next user turn); True when the episode goes on."""
-        ep, gen, lp, parsed, info, job, user = turn.ep, turn.gen, turn.logprobs, turn.parsed, turn.info, turn.job, turn.user
+        ep, gen, lp, parsed, info, job, user = (
+            turn.ep,
+            turn.gen,
+            turn.logprobs,
+            turn.parsed,
+            turn.info,
+            turn.job,
+            turn.user,
+        )
         if user is not None:
             observations = [str(m.get("content", "")) for m in user]
         elif job is None:
@@ -457,15 +495,31 @@ class AgentLoop:
             self._end(tree, ep, Node(-1, [], [], [], kind="error", info={"truncated": reason}), stats)
 
 
-def _node(gen, lp, obs, kind, parsed: ParsedTurn, info: dict, observation: str = "",
-          reward: Optional[float] = None) -> Node:
+def _node(
+    gen, lp, obs, kind, parsed: ParsedTurn, info: dict, observation: str = "", reward: Optional[float] = None
+) -> Node:
     """A turn node: generated tokens (loss 1, behaviour log-probs) then observation tokens (loss 0)."""
     if parsed.final_answer is not None:
         action = parsed.final_answer
     else:
-        action = json.dumps([{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]) if parsed.tool_calls else ""
-    return Node(-1, gen + obs, [1] * len(gen) + [0] * len(obs), lp + [0.0] * len(obs), kind=kind,
-                text=parsed.raw, thought=parsed.thought, action=action, observation=observation, reward=reward, info=info)
+        action = (
+            json.dumps([{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls])
+            if parsed.tool_calls
+            else ""
+        )
+    return Node(
+        -1,
+        gen + obs,
+        [1] * len(gen) + [0] * len(obs),
+        lp + [0.0] * len(obs),
+        kind=kind,
+        text=parsed.raw,
+        thought=parsed.thought,
+        action=action,
+        observation=observation,
+        reward=reward,
+        info=info,
+    )
 
 
 def _json_safe(meta: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ trees do not depend on the number of replicas. The collector also pauses the
 engine while the learner trains and reports the step's agent-loop counters:
 totals over replicas plus per-replica spread.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,14 +38,32 @@ log = logging.getLogger("trace_mega")
 class RolloutCollector:
     """The agent loop of this rank's replica (on the ranks that have an `engine`), trees shared by all ranks."""
 
-    def __init__(self, env: Env, engine: Optional[Engine], tokenizer: Any, cfg: RolloutConfig, *,
-                 tool_timeout_s: float, max_tool_calls_per_turn: int = 8,
-                 layout: Optional[ReplicaLayout] = None) -> None:
+    def __init__(
+        self,
+        env: Env,
+        engine: Optional[Engine],
+        tokenizer: Any,
+        cfg: RolloutConfig,
+        *,
+        tool_timeout_s: float,
+        max_tool_calls_per_turn: int = 8,
+        layout: Optional[ReplicaLayout] = None,
+    ) -> None:
         self.env, self.engine = env, engine
         self.layout = layout or ReplicaLayout.single()
         self.scaffold = ReactScaffold(tokenizer)
-        self.agent = AgentLoop(env, engine, tokenizer, cfg, tool_timeout_s=tool_timeout_s,
-                               max_tool_calls_per_turn=max_tool_calls_per_turn) if engine is not None else None
+        self.agent = (
+            AgentLoop(
+                env,
+                engine,
+                tokenizer,
+                cfg,
+                tool_timeout_s=tool_timeout_s,
+                max_tool_calls_per_turn=max_tool_calls_per_turn,
+            )
+            if engine is not None
+            else None
+        )
         self.tree_replica: list[int] = []
         """Replica that owns each of the step's trees (after `roll_out`)."""
         self._mine: dict[int, RolloutTree] = {}
@@ -66,8 +85,12 @@ class RolloutCollector:
         owner = assign_prompts(counts, self.layout.num_replicas)
         ids = [i for i, r in enumerate(owner) if r == self.layout.replica]
         if not ids and self.layout.leader:
-            log.info("step %d: replica %d (rank %d) has no prompts this step", batch.step, self.layout.replica,
-                     self.layout.rank)
+            log.info(
+                "step %d: replica %d (rank %d) has no prompts this step",
+                batch.step,
+                self.layout.replica,
+                self.layout.rank,
+            )
 
         def run() -> dict[int, RolloutTree]:
             grown = self.agent.rollout([batch.tasks[i] for i in ids], [counts[i] for i in ids], seed=seed, keys=ids)
@@ -136,17 +159,24 @@ class RolloutCollector:
 
         traj = [s.get("episodes", 0.0) for s in per]
         gen = [s.get("generated_tokens", 0.0) for s in per]
-        return {"rollout/generated_tokens": total("generated_tokens"),
-                "rollout/prefill_tokens_saved": total("cached_prefix_tokens"),
-                "rollout/prefix_tokens": total("prefix_tokens"), "rollout/tool_calls": total("tool_calls"),
-                "rollout/parse_errors": total("parse_errors"), "rollout/tool_timeouts": total("tool_timeouts"),
-                "rollout/truncated": total("truncated_episodes"), "rollout/generate_s": total("generate_s"),
-                "rollout/tool_s": total("tool_s"),
-                "rollout/replicas": float(len(per)),
-                "rollout/replicas_generating": float(sum(t > 0 for t in traj)),
-                "rollout/replica_trajectories_min": min(traj), "rollout/replica_trajectories_max": max(traj),
-                "rollout/replica_generated_tokens_min": min(gen), "rollout/replica_generated_tokens_max": max(gen),
-                "rollout/replica_seconds_max": max(s.get("seconds", 0.0) for s in per)}
+        return {
+            "rollout/generated_tokens": total("generated_tokens"),
+            "rollout/prefill_tokens_saved": total("cached_prefix_tokens"),
+            "rollout/prefix_tokens": total("prefix_tokens"),
+            "rollout/tool_calls": total("tool_calls"),
+            "rollout/parse_errors": total("parse_errors"),
+            "rollout/tool_timeouts": total("tool_timeouts"),
+            "rollout/truncated": total("truncated_episodes"),
+            "rollout/generate_s": total("generate_s"),
+            "rollout/tool_s": total("tool_s"),
+            "rollout/replicas": float(len(per)),
+            "rollout/replicas_generating": float(sum(t > 0 for t in traj)),
+            "rollout/replica_trajectories_min": min(traj),
+            "rollout/replica_trajectories_max": max(traj),
+            "rollout/replica_generated_tokens_min": min(gen),
+            "rollout/replica_generated_tokens_max": max(gen),
+            "rollout/replica_seconds_max": max(s.get("seconds", 0.0) for s in per),
+        }
 
     def close(self) -> None:
         if self.agent is not None:

@@ -20,6 +20,7 @@ from). The same gather carries every rank's error, if any, so a failing
 episode on one replica fails the step on every rank with that rank named,
 instead of leaving the others waiting in the next collective.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,12 +66,16 @@ class ReplicaLayout:
         size = mp if size is None else int(size)
         if g.pp_size > 1:
             if size != mp:
-                raise ValueError(f"rollout.tensor_parallel_size {size} with pipeline stages: a replica is one "
-                                 f"model-parallel group (TP x PP = {mp})")
+                raise ValueError(
+                    f"rollout.tensor_parallel_size {size} with pipeline stages: a replica is one "
+                    f"model-parallel group (TP x PP = {mp})"
+                )
             return cls(g.dp_rank, g.dp_size, g.tp_rank == 0 and g.pp_rank == 0, g.rank)
         if size % g.tp_size or g.world_size % size:
-            raise ValueError(f"rollout.tensor_parallel_size {size} must be a multiple of the learner's TP "
-                             f"{g.tp_size} and divide the world size {g.world_size}")
+            raise ValueError(
+                f"rollout.tensor_parallel_size {size} must be a multiple of the learner's TP "
+                f"{g.tp_size} and divide the world size {g.world_size}"
+            )
         return cls(g.rank // size, g.world_size // size, g.rank % size == 0, g.rank)
 
     @classmethod
@@ -99,16 +104,27 @@ def assign_prompts(work: Sequence[int], num_replicas: int) -> list[int]:
     return owner
 
 
-def exchange(layout: ReplicaLayout, trees: Sequence[RolloutTree], mine: dict[int, RolloutTree], stats: dict[str, float],
-             error: Optional[str]) -> tuple[list[RolloutTree], list[dict[str, float]]]:
+def exchange(
+    layout: ReplicaLayout,
+    trees: Sequence[RolloutTree],
+    mine: dict[int, RolloutTree],
+    stats: dict[str, float],
+    error: Optional[str],
+) -> tuple[list[RolloutTree], list[dict[str, float]]]:
     """The step's trees after a phase, on every rank, and every replica's `stats` (by replica id).
 
     `trees` is the step's list before the phase (what a rank has for trees nobody changed),
     `mine` the trees this rank's replica produced (index in `trees` -> tree; ignored off the
     leader). A non-None `error` on any rank raises `ReplicaError` on every rank, naming it.
     """
-    payload = {"rank": layout.rank, "replica": layout.replica, "leader": layout.leader, "error": error,
-               "stats": stats, "trees": {i: t.to_dict() for i, t in mine.items()} if layout.leader and error is None else {}}
+    payload = {
+        "rank": layout.rank,
+        "replica": layout.replica,
+        "leader": layout.leader,
+        "error": error,
+        "stats": stats,
+        "trees": {i: t.to_dict() for i, t in mine.items()} if layout.leader and error is None else {},
+    }
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, payload)
@@ -116,8 +132,9 @@ def exchange(layout: ReplicaLayout, trees: Sequence[RolloutTree], mine: dict[int
         gathered = [payload]
     failed = [p for p in gathered if p["error"] is not None]
     if failed:
-        raise ReplicaError("rollout failed on " + "; ".join(
-            f"rank {p['rank']} (replica {p['replica']}): {p['error']}" for p in failed))
+        raise ReplicaError(
+            "rollout failed on " + "; ".join(f"rank {p['rank']} (replica {p['replica']}): {p['error']}" for p in failed)
+        )
     out = list(trees)
     per_replica: list[dict[str, float]] = [{} for _ in range(layout.num_replicas)]
     for p in gathered:

@@ -11,6 +11,7 @@ path below it.
 prefix stored once) in the format of docs/PACKING.md; `PackedTrees.flatten()`
 gives the equivalent one-row-per-trajectory form.
 """
+
 from __future__ import annotations
 
 import json
@@ -85,9 +86,7 @@ class RolloutTree:
         self.gold_answer = gold_answer
         self.meta = dict(meta or {})
         n = len(prompt_token_ids)
-        self.nodes: list[Node] = [
-            Node(-1, list(prompt_token_ids), [0] * n, [0.0] * n, kind="prompt", text=prompt_text)
-        ]
+        self.nodes: list[Node] = [Node(-1, list(prompt_token_ids), [0] * n, [0.0] * n, kind="prompt", text=prompt_text)]
         self.runtime: dict[str, Any] = {}
         """Transient, never serialised: the agent loop keeps per-node env states here (`runtime["states"]`)."""
 
@@ -290,9 +289,7 @@ class PackedTrees:
         return self.tree_node_offset.numel() - 1
 
     def to(self, device: torch.device | str) -> "PackedTrees":
-        moved = {
-            k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()
-        }
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return PackedTrees(**moved)
 
     def tree_num_tokens(self) -> torch.Tensor:
@@ -577,8 +574,10 @@ def _old_nodes(old: Optional[PackedTrees], trees: list[RolloutTree]):
         ids[ti][lid] = gid
     start, length = old.node_start.tolist(), (old.node_end - old.node_start).tolist()
     for ti, (tree, known) in enumerate(zip(trees, ids)):
-        if len(tree.nodes) < len(known) or any(len(tree.nodes[lid].token_ids) != length[g]
-                                               for lid, g in enumerate(known)):
-            raise ValueError(f"extend: tree {ti} ({tree.prompt_id!r}) is not the tree the layout was packed "
-                             "from with nodes appended")
+        if len(tree.nodes) < len(known) or any(
+            len(tree.nodes[lid].token_ids) != length[g] for lid, g in enumerate(known)
+        ):
+            raise ValueError(
+                f"extend: tree {ti} ({tree.prompt_id!r}) is not the tree the layout was packed from with nodes appended"
+            )
     return ids, start, length

@@ -4,6 +4,7 @@ All share one interface: `predict_roots(prompts) -> (B,)`,
 `predict_prefixes(prompts, prefixes) -> (P,)`, and `update(data) -> metrics`
 (called once per step with the targets of the newest trees, docs/design.md §3.1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ class NoisyPredictor(Predictor):
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"noise must lie in [0, 1], got {noise}")
         self.noise = noise
-        self.n = None if noise == 0 else int(round(1.0 / noise ** 2 - 1.0))
+        self.n = None if noise == 0 else int(round(1.0 / noise**2 - 1.0))
         self.prior_a = prior_a
         self.gen = torch.Generator().manual_seed(seed)
 
@@ -102,8 +103,14 @@ class LearnedPredictor(Predictor):
 
     name = "learned"
 
-    def __init__(self, turns: int = SimConfig.turns, hidden: int = 16, lr: float = 0.03,
-                 updates_per_step: int = 30, seed: int = 0) -> None:
+    def __init__(
+        self,
+        turns: int = SimConfig.turns,
+        hidden: int = 16,
+        lr: float = 0.03,
+        updates_per_step: int = 30,
+        seed: int = 0,
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.turns = turns
         self.w1 = (torch.randn(4, hidden, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
@@ -124,8 +131,12 @@ class LearnedPredictor(Predictor):
         return self._features(prompts.z, zero, zero, zero)
 
     def _prefix_x(self, prompts, prefixes):
-        return self._features(prompts.z[prefixes.group], prefixes.signal, prefixes.depth.to(torch.float64),
-                              torch.ones_like(prefixes.signal))
+        return self._features(
+            prompts.z[prefixes.group],
+            prefixes.signal,
+            prefixes.depth.to(torch.float64),
+            torch.ones_like(prefixes.signal),
+        )
 
     def predict_roots(self, prompts):
         with torch.no_grad():

@@ -9,6 +9,7 @@ Metrics per step. The effective ratio's denominator is the active prompts
 * `trajectories` = root rollouts + continuations (equal for all allocators);
 * `root_mse`, `prefix_mse`: the predictor's squared error against the true V.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,9 @@ class StepResult:
     metrics: dict
 
 
-def simulate_step(sim: TreeSimulator, allocator: Allocator, predictor: Predictor, prompts_per_step: int,
-                  generator: torch.Generator) -> StepResult:
+def simulate_step(
+    sim: TreeSimulator, allocator: Allocator, predictor: Predictor, prompts_per_step: int, generator: torch.Generator
+) -> StepResult:
     """Predict, allocate roots, roll out, predict prefixes, allocate continuations, branch, update."""
     prompts = sim.sample_prompts(prompts_per_step)
     v_root = predictor.predict_roots(prompts)
@@ -61,8 +63,13 @@ def simulate_step(sim: TreeSimulator, allocator: Allocator, predictor: Predictor
     bp_contrast = branch & (s_under > 0) & (s_under < n_under)
 
     root_index = torch.nonzero(active).squeeze(1)
-    data = TrainingData(root_index=root_index, root_target=(s_prompt / n_prompt.clamp(min=1))[root_index],
-                        prefix_target=(s_under / n_under).reshape(-1), prompts=prompts, prefixes=pre)
+    data = TrainingData(
+        root_index=root_index,
+        root_target=(s_prompt / n_prompt.clamp(min=1))[root_index],
+        prefix_target=(s_under / n_under).reshape(-1),
+        prompts=prompts,
+        prefixes=pre,
+    )
     n_active = int(active.sum())
     metrics = {
         "active_prompts": n_active,
@@ -78,8 +85,14 @@ def simulate_step(sim: TreeSimulator, allocator: Allocator, predictor: Predictor
     return StepResult(m=m, K=K, prompt_successes=s_prompt, prompt_leaves=n_prompt, metrics=metrics)
 
 
-def run_allocator(allocator: Allocator, make_predictor: Callable[[], Predictor], sim: TreeSimulator,
-                  steps: int, prompts_per_step: int, seed: int = 0) -> list[dict]:
+def run_allocator(
+    allocator: Allocator,
+    make_predictor: Callable[[], Predictor],
+    sim: TreeSimulator,
+    steps: int,
+    prompts_per_step: int,
+    seed: int = 0,
+) -> list[dict]:
     """`steps` seeded steps of one allocator with a fresh predictor; returns the per-step metrics."""
     predictor = make_predictor()
     gen = torch.Generator().manual_seed(seed)

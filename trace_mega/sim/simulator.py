@@ -16,6 +16,7 @@
 * What a learned predictor may see: a prompt feature z = logit p + N(0, σ_z²)
   and, after turn t, a signal y_t = logit V_t + N(0, σ_y²).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -123,9 +124,14 @@ class TreeSimulator:
         R, T = rollouts.values.shape[0], self.cfg.turns
         rollout = torch.arange(R).repeat_interleave(T - 1)
         depth = torch.arange(1, T).repeat(R)
-        return Prefixes(rollout=rollout, depth=depth, value=rollouts.values[rollout, depth],
-                        signal=rollouts.signals[rollout, depth], group=rollouts.prompt[rollout],
-                        reward=rollouts.reward[rollout])
+        return Prefixes(
+            rollout=rollout,
+            depth=depth,
+            value=rollouts.values[rollout, depth],
+            signal=rollouts.signals[rollout, depth],
+            group=rollouts.prompt[rollout],
+            reward=rollouts.reward[rollout],
+        )
 
     def continue_from(self, prefixes: Prefixes, K: torch.Tensor) -> torch.Tensor:
         """Successes among K[p] fresh continuations from each prefix: Binomial(K, V_t) (P,)."""

@@ -3,6 +3,7 @@
 Imported by the workers (run as scripts, this directory on sys.path) and by the
 tests (tests/learner on sys.path, as `workers.common`).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,17 +27,28 @@ def tiny_hf_config(kind: str, tie: bool = False):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=96, max_position_embeddings=128, rms_norm_eps=1e-6,
-        tie_word_embeddings=tie, attention_dropout=0.0,
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        attention_dropout=0.0,
     )
     if kind == "dense":
         return Qwen3Config(**common)
     if kind == "qwen2":
         return Qwen2Config(**{k: v for k, v in common.items() if k != "head_dim"})
     if kind in ("llama", "llama_gelu"):  # llama_gelu: a GeGLU Llama (hidden_act gelu), mapped exactly
-        return LlamaConfig(**{k: v for k, v in common.items() if k != "head_dim"}, rope_theta=500000.0,
-                           hidden_act="gelu" if kind == "llama_gelu" else "silu")
+        return LlamaConfig(
+            **{k: v for k, v in common.items() if k != "head_dim"},
+            rope_theta=500000.0,
+            hidden_act="gelu" if kind == "llama_gelu" else "silu",
+        )
     return Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
 
 
@@ -131,8 +143,13 @@ def torchrun(script: str, nproc: int, args: list[str], timeout: int = 240) -> st
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKERS), env.get("PYTHONPATH", "")])
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}", str(WORKERS / script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(WORKERS / script),
+        *args,
     ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if res.returncode != 0:

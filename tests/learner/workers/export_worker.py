@@ -5,6 +5,7 @@ Rebuilds the run's Learner (its config, its TP / EP layout) from the checkpoint,
 restores it, and writes (rank 0) the packed tree's tokens, loss mask, each
 leaf's stream indices and the learner's per-token log-probs.
 """
+
 import sys
 
 import torch
@@ -33,8 +34,15 @@ def main() -> None:
     packed = pack([tree])
     lp = learner.old_logprobs(packed)
     if learner.groups.rank == 0:
-        torch.save({"tokens": packed.tokens, "loss_mask": packed.loss_mask, "logprobs": lp,
-                    "paths": [packed.path_token_indices(int(n)) for n in packed.leaf_nodes]}, out)
+        torch.save(
+            {
+                "tokens": packed.tokens,
+                "loss_mask": packed.loss_mask,
+                "logprobs": lp,
+                "paths": [packed.path_token_indices(int(n)) for n in packed.leaf_nodes],
+            },
+            out,
+        )
     destroy_parallel()
 
 

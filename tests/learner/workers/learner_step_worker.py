@@ -2,6 +2,7 @@
 
 argv: HF_DIR OUT_JSON TP SEQUENCE_PARALLEL(0|1)
 """
+
 import dataclasses
 import json
 import sys
@@ -38,9 +39,11 @@ def step_of(i: int, batch: list[RolloutTree]) -> StepBatch:
 
 def main() -> None:
     hf_dir, out_json, tp, sp = sys.argv[1], sys.argv[2], int(sys.argv[3]), bool(int(sys.argv[4]))
-    cfg = TrainConfig(model=ModelConfig(hf_checkpoint=hf_dir),
-                      parallel=ParallelConfig(device="cpu", tensor_model_parallel_size=tp, sequence_parallel=sp),
-                      optim=OptimConfig(lr=1e-2, clip_grad_norm=0.0))
+    cfg = TrainConfig(
+        model=ModelConfig(hf_checkpoint=hf_dir),
+        parallel=ParallelConfig(device="cpu", tensor_model_parallel_size=tp, sequence_parallel=sp),
+        optim=OptimConfig(lr=1e-2, clip_grad_norm=0.0),
+    )
     learner = Learner(cfg)
     batch = trees(learner.model_cfg.vocab_size)
     steps = []
@@ -48,8 +51,9 @@ def main() -> None:
         steps.append(learner.train_step(step_of(i, batch)))
     hidden = learner.hidden_states(pack(batch))
     # One forward per tree (a 1-token budget) must give the same hidden states as one for all.
-    learner.cfg = dataclasses.replace(learner.cfg, parallel=dataclasses.replace(learner.cfg.parallel,
-                                                                                micro_batch_tokens=1))
+    learner.cfg = dataclasses.replace(
+        learner.cfg, parallel=dataclasses.replace(learner.cfg.parallel, micro_batch_tokens=1)
+    )
     chunk_diff = float((learner.hidden_states(pack(batch)) - hidden).abs().max())
     # The next step's training forward runs under these weights: the hidden states it leaves for the
     # predictor are the same (one micro-batch per tree here).
@@ -58,9 +62,16 @@ def main() -> None:
     train_hidden_diff = float((third.hidden - hidden).abs().max())
     if learner.groups.rank == 0:
         with open(out_json, "w") as f:
-            json.dump({"steps": steps, "hidden_sum": float(hidden.double().sum()),
-                       "hidden_abs": float(hidden.double().abs().sum()), "chunk_diff": chunk_diff,
-                       "train_hidden_diff": train_hidden_diff}, f)
+            json.dump(
+                {
+                    "steps": steps,
+                    "hidden_sum": float(hidden.double().sum()),
+                    "hidden_abs": float(hidden.double().abs().sum()),
+                    "chunk_diff": chunk_diff,
+                    "train_hidden_diff": train_hidden_diff,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Writes (rank 0) DIR/<kind>_logp.pt {"tree": (1, T, V), "causal": (B, S, V)} log-
 and "head_diff" (max |hidden @ output_weight.T - vocab-parallel logits| over ranks),
 and DIR/<kind>_export/ (save_hf).
 """
+
 import argparse
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def main() -> None:
         with torch.no_grad():
             mask = tree_attention_mask(tree["token_node"], tree["token_node_exit"])
             tree_lp = forward_packed(net, tree["input_ids"], tree["position_ids"], mask, "full_logits").log_softmax(-1)
-            causal_lp = forward_packed(net, causal["input_ids"], causal["position_ids"], None, "full_logits").log_softmax(-1)
+            causal_lp = forward_packed(
+                net, causal["input_ids"], causal["position_ids"], None, "full_logits"
+            ).log_softmax(-1)
             # The split LM head: hidden states x this rank's vocab-parallel weight == this rank's logits.
             hidden = forward_packed(net, tree["input_ids"], tree["position_ids"], mask, "hidden")
             shard = forward_packed(net, tree["input_ids"], tree["position_ids"], mask, "logits")

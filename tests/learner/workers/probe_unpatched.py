@@ -4,6 +4,7 @@ Prints one JSON object {patch name: {"present": bool, "detail": str}}. A patch
 whose problem is gone after a megatron-core upgrade shows present=false, and
 tests/learner/test_cpu_compat.py fails so the patch gets removed, not carried.
 """
+
 import inspect
 import json
 import os
@@ -32,14 +33,18 @@ def main() -> None:
     out = {}
 
     ok, detail = raises(lambda: mrandom._get_cuda_rng_state(), AssertionError, cuda_msg)
-    sig_ok = list(inspect.signature(mrandom._get_cuda_rng_state).parameters) == ["device", "clone", "graph_safe"] and list(
-        inspect.signature(mrandom._set_cuda_rng_state).parameters
-    ) == ["new_state", "device", "graph_safe"] and hasattr(mrandom.CudaRNGStatesTracker, "fork")
+    sig_ok = (
+        list(inspect.signature(mrandom._get_cuda_rng_state).parameters) == ["device", "clone", "graph_safe"]
+        and list(inspect.signature(mrandom._set_cuda_rng_state).parameters) == ["new_state", "device", "graph_safe"]
+        and hasattr(mrandom.CudaRNGStatesTracker, "fork")
+    )
     out["rng_tracker"] = {"present": ok and sig_ok, "detail": detail}
 
     parallel_state._set_global_memory_buffer()
     ok, detail = raises(
-        lambda: parallel_state.get_global_memory_buffer().get_tensor((2,), torch.float32, "probe"), AssertionError, cuda_msg
+        lambda: parallel_state.get_global_memory_buffer().get_tensor((2,), torch.float32, "probe"),
+        AssertionError,
+        cuda_msg,
     )
     out["current_device"] = {"present": ok, "detail": detail}
 
@@ -62,13 +67,18 @@ def main() -> None:
 
     splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([1]), as_numpy=True)
     ok, detail = raises(
-        lambda: dist.all_to_all_single(torch.empty(1), torch.ones(1), output_split_sizes=splits, input_split_sizes=splits),
-        TypeError, "incompatible function arguments",
+        lambda: dist.all_to_all_single(
+            torch.empty(1), torch.ones(1), output_split_sizes=splits, input_split_sizes=splits
+        ),
+        TypeError,
+        "incompatible function arguments",
     )
     out["alltoall_split_sizes"] = {"present": torch.is_tensor(splits) and ok, "detail": detail}
 
     ok, detail = raises(
-        lambda: moe_utils.router_gating_linear(torch.ones(2, 4), torch.ones(3, 4), None, torch.float32), NameError, "te_general_gemm"
+        lambda: moe_utils.router_gating_linear(torch.ones(2, 4), torch.ones(3, 4), None, torch.float32),
+        NameError,
+        "te_general_gemm",
     )
     out["te_general_gemm"] = {"present": ok, "detail": detail}
     print("PROBE " + json.dumps(out))

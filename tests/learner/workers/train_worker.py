@@ -6,16 +6,17 @@ Usage: train_worker.py JOBS_JSON, a list of jobs run one after another in this p
 Every step has 4 global micro-batches (packed trees, seed = 100*step + m);
 DP rank r takes m = r, r + dp, ... so any layout sees the same global batch.
 """
+
 import json
 import math
 import sys
 
 import torch
 import torch.distributed as dist
+from common import next_token_loss, packed_tree
 from megatron.core import parallel_state
 from transformers import AutoConfig
 
-from common import next_token_loss, packed_tree
 from trace_mega.config import OptimConfig, ParallelConfig
 from trace_mega.learner.attention import tree_attention_mask
 from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -47,8 +48,11 @@ def param_checksum(chunks) -> float:
 def run_job(job: dict) -> None:
     """One training run under its own parallel layout (the process group is reused)."""
     par = ParallelConfig(
-        device="cpu", tensor_model_parallel_size=job.get("tp", 1), pipeline_model_parallel_size=job.get("pp", 1),
-        expert_model_parallel_size=job.get("ep", 1), use_distributed_optimizer=True,
+        device="cpu",
+        tensor_model_parallel_size=job.get("tp", 1),
+        pipeline_model_parallel_size=job.get("pp", 1),
+        expert_model_parallel_size=job.get("ep", 1),
+        use_distributed_optimizer=True,
     )
     g = init_parallel(par, seed=0)
     mc = model_config_from_hf(AutoConfig.from_pretrained(job["hf"]), attention_backend="sdpa")
@@ -63,9 +67,11 @@ def run_job(job: dict) -> None:
     for step in range(start, job["steps"]):
         loss_fn = next_token_loss
         if step == job.get("nan_step", -1):
+
             def loss_fn(out, batch):  # a poisoned micro-batch: NaN loss and gradients
                 loss_sum, n, m = next_token_loss(out, batch)
                 return loss_sum * float("nan"), n, m
+
         before = param_checksum(chunks)
         metrics = train_step(chunks, optimizer, scheduler, batches_for(step, g.dp_rank, g.dp_size), loss_fn, g)
         after = param_checksum(chunks)

@@ -1,4 +1,5 @@
 """Rollout engines behind `ENGINES`; `build_engine` starts the configured one for a training run."""
+
 from typing import Optional
 
 from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineSetup, SamplingParams
@@ -12,5 +13,14 @@ def build_engine(setup: EngineSetup) -> Optional[Engine]:
     return ENGINES.get(setup.rollout.engine).launch(setup)
 
 
-__all__ = ["ENGINES", "Completion", "Engine", "EngineSetup", "PrefixKVCache", "SamplingParams", "TorchEngine",
-           "VLLMEngine", "build_engine"]
+__all__ = [
+    "ENGINES",
+    "Completion",
+    "Engine",
+    "EngineSetup",
+    "PrefixKVCache",
+    "SamplingParams",
+    "TorchEngine",
+    "VLLMEngine",
+    "build_engine",
+]

@@ -12,6 +12,7 @@ construction arguments from the setup and prepares what it needs to start
 (e.g. an HF directory of the initial weights), on every rank, and builds the
 engine on the ranks of each rollout replica that run it (docs/design.md §3.4).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

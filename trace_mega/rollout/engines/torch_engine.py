@@ -27,11 +27,12 @@ top-p), matching vLLM V1's default `logprobs_mode="raw_logprobs"` (see
 docs/engines.md). The learner recomputes exactly this quantity, so behaviour
 and learner log-probs agree at any sampling temperature.
 """
+
 from __future__ import annotations
 
 import inspect
-import re
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -187,8 +188,13 @@ class TorchEngine(Engine):
         weights come with the first `update_weights`)."""
         if not setup.host:
             return None
-        return cls(setup.policy_config, device=setup.device, dtype=getattr(torch, setup.dtype), enable_prefix_caching=setup.rollout.enable_prefix_caching,
-                   eos_token_ids=setup.eos_token_ids)
+        return cls(
+            setup.policy_config,
+            device=setup.device,
+            dtype=getattr(torch, setup.dtype),
+            enable_prefix_caching=setup.rollout.enable_prefix_caching,
+            eos_token_ids=setup.eos_token_ids,
+        )
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -207,7 +213,9 @@ class TorchEngine(Engine):
             if dst is None:
                 raise KeyError(f"update_weights: the model has no tensor {name!r}")
             if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}"
+                )
             dst.copy_(tensor.to(dst.device, dst.dtype))
         self.cache.clear()
 
@@ -313,14 +321,18 @@ class TorchEngine(Engine):
             for layer in range(len(cache.layers)):
                 ks, vs = [], []
                 for r in rows:
-                    k, v = (r.source.kv[layer] if r.source is not None else self._empty_kv(layer))
+                    k, v = r.source.kv[layer] if r.source is not None else self._empty_kv(layer)
                     pad = R - r.reuse
                     ks.append(F.pad(k[:, : r.reuse], (0, 0, pad, 0)))
                     vs.append(F.pad(v[:, : r.reuse], (0, 0, pad, 0)))
                 cache.update(torch.stack(ks), torch.stack(vs), layer)
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos,
-            use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
         )
         logits = out.logits[:, -1].float() if need_logits else None
         return cache, mask, logits
@@ -373,8 +385,12 @@ class TorchEngine(Engine):
             alive = [alive[j] for j in keep]
             mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=self.device)], 1)
             out = self.model(
-                input_ids=torch.tensor(fed, device=self.device)[:, None], attention_mask=mask,
-                position_ids=next_pos[:, None], use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
+                input_ids=torch.tensor(fed, device=self.device)[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: cache},
             )
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1

@@ -36,6 +36,7 @@ loads it.
   rank of a TP group must submit the same prompts and seeds (deterministic
   scheduling keeps the replicas in lock step). See docs/engines.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -131,8 +132,10 @@ class VLLMEngine(Engine):
         if not isinstance(self.llm.llm_engine.engine_core, InprocClient):
             # vLLM caches its environment once an engine core has started; an earlier
             # engine in this process may have fixed multiprocessing on.
-            raise RuntimeError("vLLM's engine core runs in another process: in-memory update_weights needs "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first vLLM engine of the process")
+            raise RuntimeError(
+                "vLLM's engine core runs in another process: in-memory update_weights needs "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first vLLM engine of the process"
+            )
         self._vllm = vllm
 
     @classmethod
@@ -150,8 +153,16 @@ class VLLMEngine(Engine):
             extra |= {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": setup.replica_size}
         elif not setup.host:
             return None
-        return cls(model, dtype=setup.dtype, enable_prefix_caching=rc.enable_prefix_caching, gpu_memory_utilization=rc.gpu_memory_utilization,
-                   max_model_len=rc.max_total_tokens, seed=setup.seed, eos_token_ids=setup.eos_token_ids, **extra)
+        return cls(
+            model,
+            dtype=setup.dtype,
+            enable_prefix_caching=rc.enable_prefix_caching,
+            gpu_memory_utilization=rc.gpu_memory_utilization,
+            max_model_len=rc.max_total_tokens,
+            seed=setup.seed,
+            eos_token_ids=setup.eos_token_ids,
+            **extra,
+        )
 
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         if any(len(p) == 0 for p in prefixes):
@@ -203,7 +214,9 @@ class VLLMEngine(Engine):
         sampling from the first weights; `_retie_lm_head` re-runs the head's
         post-load processing on the freshly loaded, shared embedding.
         """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True}
+        )
         self.llm.apply_model(_retie_lm_head)
         self.llm.reset_prefix_cache()
 
@@ -231,8 +244,10 @@ class VLLMEngine(Engine):
 _EXPECTED_WARNINGS = {
     # Per sync: layers the stream has no tensor for: rotary embeddings (no weights) and a
     # tied LM head (refreshed by `_retie_lm_head`).
-    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",
-                                                          "ParallelLMHead: Failed to load weights"),
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        "RotaryEmbedding: Failed to load weights",
+        "ParallelLMHead: Failed to load weights",
+    ),
     # At start-up with `skip_tokenizer_init=True`: no chat template to warm up and no tokenizer
     # EOS (the stop ids are passed with every request).
     "vllm.renderers.base": ("Chat template warmup failed", "Using None for EOS token id"),

@@ -38,12 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trace_mega.config import PretrainConfig, RolloutConfig, TrainConfig, load_yaml
+    from trace_mega.commands.pretrain import PretrainConfig, pretrain, resolve_in_context
+    from trace_mega.config import RolloutConfig, TrainConfig, load_yaml
+    from trace_mega.credit.metrics import credit_accuracy
+    from trace_mega.credit.probe import ProbeResult, hf_packed_forward, reference_probe
     from trace_mega.envs import build_env
     from trace_mega.envs.synthetic_search import ANSWER_TEMPLATE
-    from trace_mega.learner.credit_metrics import credit_accuracy
-    from trace_mega.learner.probe import ProbeResult, hf_packed_forward, reference_probe
-    from trace_mega.pretrain import pretrain, resolve_in_context
     from trace_mega.rollout.agent_loop import AgentLoop
     from trace_mega.rollout.engines import TorchEngine
     from trace_mega.rollout.tree import pack

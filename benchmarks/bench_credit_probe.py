@@ -3,7 +3,7 @@
 A trajectory of T tokens (prompt, K tool turns, a final answer turn) is probed at its
 K + 1 boundaries S_0 … S_K with `template + y*`:
 
-* packed   — `trace_mega.learner.probe.reference_probe`: the trajectory (less its final
+* packed   — `trace_mega.credit.probe.reference_probe`: the trajectory (less its final
   answer turn, which no probe needs) plus K + 1 probe leaves in one stream with the tree
   mask, |S_K| + (K+1)·|probe| tokens, one forward;
 * separate — the obvious baseline: K + 1 causal forwards over S_k + template + y*,
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from harness import RESULTS, parser, print_table, timeit, write_json
 
-from trace_mega.learner.probe import answer_token_ids, build_probe_batch, hf_packed_forward, reference_probe
+from trace_mega.credit.probe import answer_token_ids, build_probe_batch, hf_packed_forward, reference_probe
 from trace_mega.rollout.tree import Node, RolloutTree
 
 TEMPLATE_LEN = 4

@@ -147,8 +147,8 @@ def _train(
 
 def _warm_start() -> str:
     """The demo's cached warm start (what `trace-mega demo` starts every arm from)."""
+    from trace_mega.commands.demo import warm_start
     from trace_mega.config import TrainConfig, load_yaml
-    from trace_mega.demo import warm_start
 
     return warm_start(load_yaml(TrainConfig, ROOT / "configs" / "demo_cpu.yaml"))
 

@@ -67,17 +67,17 @@ def _worker(rank: int, world: int, port: int, args: dict, out: dict) -> None:
     times, metrics, digest = [], {}, ""
     for rep in range(args["reps"] + 1):
         batch = StepBatch.from_prompts(0, tasks, col.prompt_ids(tasks))
-        batch.rollouts = torch.full((len(tasks),), args["rollouts"])
+        counts = [args["rollouts"]] * len(tasks)
         col.begin_step(0)
         engine.cache.clear()
         dist.barrier()
         t0 = time.perf_counter()
-        col.roll_out(batch, seed=1)
-        cand = batch.prefix_candidates()
+        batch.grow(col.roll_out(tasks, batch.trees, counts, seed=1))
+        batch.prefixes = cand = batch.prefix_candidates()
         p = batch.packed  # each bare rollout's first turn node: its parent is the root
         batch.continuations = (p.node_parent[cand.node] == p.tree_node_offset[p.node_tree[cand.node]]).long()
         batch.root_continuations = None
-        col.expand(batch, seed=2)
+        batch.grow(col.expand(batch.trees, batch.branch_points(), seed=2))
         seconds = time.perf_counter() - t0
         if rep:
             times.append(seconds)

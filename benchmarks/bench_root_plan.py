@@ -12,8 +12,8 @@ per task kind (`SyntheticToolsEnv.kind`: dry / ice7 / wall):
   of them on `ice 7`: dry prompts give all-1 groups, walled ones all-0 groups).
 
 Plus the run's mean effective ratio and last-10-step training reward. The root plan is read
-from each step's record when the predictor fits it (a wrapper around the trainer's
-`predictor.fit_step`, nothing else changed).
+from each step's stages (wrappers around the trainer's scoring and rollout stages, nothing
+else changed).
 
     python benchmarks/bench_root_plan.py [--steps 60] [--seed 0] [--from-step 30] [--variants a,b] [--json PATH]
     trace-mega bench root_plan [same options]
@@ -61,20 +61,34 @@ def _run(overrides: list[str], seed: int, steps: int, out: Path, checkpoint: str
     )
     trainer = Trainer(cfg)
     records: list[dict] = []
-    fit_step = trainer.predictor.fit_step
+    predict, roll_out, expand = trainer._predict, trainer.rollouts.roll_out, trainer.rollouts.expand
+    step: dict = {}
 
-    def recording_fit_step(batch, group=None):
-        kind_of = {t.task_id: SyntheticToolsEnv.kind(t) for t in batch.tasks}
+    def recording_predict(packed, nodes, allocator):
+        v = predict(packed, nodes, allocator)
+        if "v_root" not in step:  # the step's first scoring: its prompts
+            step["v_root"] = v.tolist()
+        return v
+
+    def recording_roll_out(tasks, trees, counts, seed):
+        step.update(tasks=list(tasks), counts=list(counts))
+        return roll_out(tasks, trees, counts, seed)
+
+    def recording_expand(trees, points, seed):
+        final = expand(trees, points, seed)
+        kind_of = {t.task_id: SyntheticToolsEnv.kind(t) for t in step["tasks"]}
         rec = {k: {"pred": [], "roots": 0, "real": []} for k in KINDS}
-        for task, v, m in zip(batch.tasks, batch.v_root.tolist(), batch.rollouts.tolist()):
+        for task, v, m in zip(step["tasks"], step["v_root"], step["counts"]):
             rec[kind_of[task.task_id]]["pred"].append(v)
             rec[kind_of[task.task_id]]["roots"] += m
-        for tree in batch.trees:
+        for tree in final:
             rec[kind_of[tree.prompt_id]]["real"] += tree.leaf_rewards()
         records.append(rec)
-        return fit_step(batch, group)
+        step.clear()
+        return final
 
-    trainer.predictor.fit_step = recording_fit_step
+    trainer._predict, trainer.rollouts.roll_out = recording_predict, recording_roll_out
+    trainer.rollouts.expand = recording_expand
     try:
         trainer.train()
     finally:
@@ -98,8 +112,8 @@ def summarise(records: list[dict], rows: list[dict], from_step: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from trace_mega.commands.demo import warm_start
     from trace_mega.config import TrainConfig, load_yaml
-    from trace_mega.demo import warm_start
 
     ap = parser(__doc__, RESULTS / "bench_root_plan.json")
     ap.add_argument("--steps", type=int, default=60)

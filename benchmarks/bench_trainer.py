@@ -39,7 +39,7 @@ def _run(name: str, overrides: list[str], steps: int, out: Path) -> list[dict]:
     cmd = [
         sys.executable,
         "-m",
-        "trace_mega.cli",
+        "trace_mega",
         "train",
         "--config",
         str(ROOT / "configs" / "demo_cpu.yaml"),

@@ -70,8 +70,8 @@ def measure_policy(cfg, samples: int, seed: int) -> list:
 
 def measure_walker(cfg, pcfg, samples: int, seed: int) -> list:
     """(kind, rewards) per task of the transcript walker itself, on the demo's env and rollout settings."""
+    from trace_mega.commands.pretrain import WalkTranscriptEngine
     from trace_mega.envs import build_env
-    from trace_mega.pretrain import WalkTranscriptEngine
     from trace_mega.rollout.agent_loop import AgentLoop
 
     env = build_env(cfg.env.name, **cfg.env.options)
@@ -80,8 +80,9 @@ def measure_walker(cfg, pcfg, samples: int, seed: int) -> list:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from trace_mega.config import PretrainConfig, TrainConfig, load_yaml
-    from trace_mega.demo import warm_start
+    from trace_mega.commands.demo import warm_start
+    from trace_mega.commands.pretrain import PretrainConfig
+    from trace_mega.config import TrainConfig, load_yaml
 
     ap = parser(__doc__, RESULTS / "bench_warm_start.json")
     ap.add_argument("--samples", type=int, default=32, help="episodes per task")

@@ -117,8 +117,8 @@ def _measure(tp: int, reps: int, model: list[str]) -> list[dict]:
 
 def project(config: str, a: argparse.Namespace) -> dict:
     """Seconds per rank of the `gather` and `aligned` sync paths for a shipped config (see the module doc)."""
+    from trace_mega.commands.plan import count_params, model_for_plan, plan_memory
     from trace_mega.config import TrainConfig, load_yaml
-    from trace_mega.plan import count_params, model_for_plan, plan_memory
 
     cfg = load_yaml(TrainConfig, ROOT / "configs" / config, [])
     m = model_for_plan(cfg)

@@ -6,7 +6,7 @@ option every benchmark has; ``--json ''`` writes nothing), times with
 :func:`timeit` (warm-up, repetitions, one statistic; CUDA events on a GPU) or
 :func:`timed` (one call), prints with :func:`print_table` and ends with
 :func:`write_json`. Run one as ``python benchmarks/bench_NAME.py`` (this directory
-is then on ``sys.path``) or as ``trace-mega bench NAME`` (`trace_mega.cli.load_benchmark`
+is then on ``sys.path``) or as ``trace-mega bench NAME`` (`trace_mega.commands.cli.load_benchmark`
 puts it there).
 """
 

@@ -11,4 +11,4 @@ shift
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} CUDA_DEVICE_MAX_CONNECTIONS=1
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  -m trace_mega.cli train --config "$CONFIG" "$@"
+  -m trace_mega train --config "$CONFIG" "$@"

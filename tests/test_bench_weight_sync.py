@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from trace_mega.cli import load_benchmark
+from trace_mega.commands.cli import load_benchmark
 
 bench = load_benchmark("weight_sync")
 

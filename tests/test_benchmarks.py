@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trace_mega.cli import benchmark_names, load_benchmark
+from trace_mega.commands.cli import benchmark_names, load_benchmark
 from trace_mega.resources import benchmarks_dir
 
 load_benchmark("allocation_kernel")  # puts benchmarks/ on sys.path, as `trace-mega bench` does

@@ -35,7 +35,7 @@ NOISE = [
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "trace_mega.cli", "train", *args, *SMALL, f"telemetry.out_dir={out}"]
+    cmd = [sys.executable, "-m", "trace_mega", "train", *args, *SMALL, f"telemetry.out_dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -50,14 +50,12 @@ def test_the_step_layout_is_extended_as_the_trees_grow():
     prompts = [[1] * (3 + i) for i in range(4)]
     batch = StepBatch.from_prompts(0, tasks, prompts)
     assert batch.root_nodes().tolist() == [0, 1, 2, 3] and batch.packed.num_tokens == sum(map(len, prompts))
-    batch.hidden = torch.zeros(batch.packed.num_tokens, 2)
     batch.rollouts = torch.tensor([2, 0, 3, 0])
     bare = [_bare(t, p, int(m), i) for i, (t, p, m) in enumerate(zip(tasks, prompts, batch.rollouts))]
     batch.grow(bare, keep=[0, 2])  # prompts given no rollouts leave the step
     assert batch.trees == [bare[0], bare[2]] and batch.prompt_index.tolist() == [0, 2]
-    assert batch.hidden is None  # it described the roots' layout
     _assert_same_layout(batch.packed, pack(batch.trees))
-    cand = batch.prefix_candidates()
+    batch.prefixes = cand = batch.prefix_candidates()
     # Every first turn is an intermediate prefix; its group is the candidate prompt (indexes `rollouts`).
     assert cand.group.tolist() == [0, 0, 2, 2, 2] and cand.local == [(0, 1), (0, 3), (1, 1), (1, 3), (1, 5)]
     assert cand.r.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
@@ -73,21 +71,19 @@ def test_the_step_layout_is_extended_as_the_trees_grow():
         batch.grow(batch.trees + batch.trees[:1])
 
 
-def test_predictor_reads_the_step_record():
+def test_predictor_fits_on_the_update_share_of_the_step():
     tasks = [Task("a", []), Task("b", [])]
     batch = StepBatch.from_prompts(0, tasks, [[1, 2], [3]])
     batch.grow([_bare(t, p, 2, i) for i, (t, p) in enumerate(zip(tasks, [[1, 2], [3]]))])
     pred = build_predictor(PredictorConfig(replay_steps=2), hidden_size=4, vocab_size=8)
-    with pytest.raises(ValueError, match="Learner.train_step"):
-        pred.fit_step(batch)
-    batch.hidden = torch.nn.functional.one_hot(batch.packed.tokens % 4, 4).float()
-    out = pred.fit_step(batch)
-    assert out["predictor/samples"] == 2 + 4 and len(pred.replay) == 1  # roots + first turns; window of 1
-    assert pred.replay[0][0] is batch.packed and pred.replay[0][2] is batch.hidden
+    hidden = torch.nn.functional.one_hot(batch.packed.tokens % 4, 4).float()  # what the update returns
+    fit = pred.fit_step(batch.packed, hidden, [0, 1])
+    assert fit.metrics["predictor/samples"] == 2 + 4 and len(pred.replay) == 1  # roots + first turns; window 1
+    assert fit.calibration is not None and "_calibration" not in fit.metrics
+    assert pred.replay[0][0] is batch.packed and pred.replay[0][2] is hidden
     # One data-parallel rank's share: tree 1 alone, its hidden rows; the window keeps the share.
     rows = batch.packed.tree_tokens([1])
-    batch.hidden, batch.hidden_trees = batch.hidden[rows], [1]
-    out = pred.fit_step(batch)
+    out = pred.fit_step(batch.packed, hidden[rows], [1]).metrics
     assert out["predictor/samples"] == 2 + 4  # the whole step's count, for the loss and the calibration
     share_packed, share_samples, _ = pred.replay[-1]
     assert share_packed.num_trees == 1 and share_samples.total == 6 and share_samples.node.numel() == 3
@@ -134,21 +130,27 @@ def _trainer_run(out_dir: Path, run: str) -> list[dict]:
         lambda mod, args: forwards.append((int(args[0].shape[1]), torch.is_grad_enabled()))
     )
 
-    def recorded(name, fn):
-        def call(batch, *a, **kw):
-            if name == "bare":  # still the layout of the roots of every candidate prompt
-                sizes["all_roots"] = batch.packed.num_tokens
-            result = fn(batch, *a, **kw)
-            sizes[name] = batch.packed.num_tokens
-            if name == "final":  # the extended layout is the fresh pack of the final trees
-                _assert_same_layout(batch.packed, fresh_pack(batch.trees))
-                sizes["roots"] = sum(len(t.nodes[0].token_ids) for t in batch.trees)
-            return result
+    roll_out, expand, train_step = trainer.rollouts.roll_out, trainer.rollouts.expand, trainer.learner.train_step
+    final = []
 
-        return call
+    def recorded_roll_out(tasks, trees, counts, seed):
+        sizes["all_roots"] = fresh_pack(trees).num_tokens  # the roots of every candidate prompt
+        out = roll_out(tasks, trees, counts, seed)
+        sizes["bare"] = fresh_pack([t for t, m in zip(out, counts) if m > 0]).num_tokens  # prompts given none leave
+        return out
 
-    trainer.rollouts.roll_out = recorded("bare", trainer.rollouts.roll_out)
-    trainer.rollouts.expand = recorded("final", trainer.rollouts.expand)
+    def recorded_expand(trees, points, seed):
+        final[:] = expand(trees, points, seed)
+        sizes["final"] = fresh_pack(final).num_tokens
+        sizes["roots"] = sum(len(t.nodes[0].token_ids) for t in final)
+        return final
+
+    def checked_train_step(packed, advantages, **kw):
+        _assert_same_layout(packed, fresh_pack(final))  # the extended layout is the fresh pack of the final trees
+        return train_step(packed, advantages, **kw)
+
+    trainer.rollouts.roll_out, trainer.rollouts.expand = recorded_roll_out, recorded_expand
+    trainer.learner.train_step = checked_train_step
     if run != "real":  # a predictor forced better (the targets) or worse (1 - targets) than any constant
 
         def forced(packed, nodes, hidden=None):

@@ -30,7 +30,7 @@ def _train(out: Path, *overrides: str, timeout: int = 300) -> list[dict]:
     cmd = [
         sys.executable,
         "-m",
-        "trace_mega.cli",
+        "trace_mega",
         "train",
         "--config",
         str(CONFIG),
@@ -87,7 +87,7 @@ def test_trace_c_credit_and_kl(tmp_path):
 
 @pytest.mark.slow
 def test_invalid_config_names_the_field(tmp_path):
-    cmd = [sys.executable, "-m", "trace_mega.cli", "train", "--config", str(CONFIG), "allocation.nme=trace"]
+    cmd = [sys.executable, "-m", "trace_mega", "train", "--config", str(CONFIG), "allocation.nme=trace"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "allocation.nme: unknown key for AllocationConfig" in proc.stderr
 
@@ -100,7 +100,7 @@ def test_sigkill_mid_step_resumes_with_the_same_data_order(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "trace_mega.cli",
+        "trace_mega",
         "train",
         "--config",
         str(CONFIG),
@@ -131,7 +131,7 @@ def test_torchrun_tp2_two_steps(tmp_path):
         "--master-port",
         str(free_port()),
         "-m",
-        "trace_mega.cli",
+        "trace_mega",
         "train",
         "--config",
         str(CONFIG),

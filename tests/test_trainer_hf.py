@@ -61,7 +61,7 @@ def _train(checkpoint, out, *overrides):
     cmd = [
         sys.executable,
         "-m",
-        "trace_mega.cli",
+        "trace_mega",
         "train",
         "--config",
         str(ROOT / "configs" / "demo_cpu.yaml"),

@@ -33,7 +33,7 @@ def test_two_trace_steps_on_vllm(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "trace_mega.cli",
+        "trace_mega",
         "train",
         "--config",
         str(ROOT / "configs" / "demo_cpu.yaml"),
@@ -91,7 +91,7 @@ def test_vllm_replicas_under_torchrun_equal_one_process(tmp_path, layout):
     cmd = [
         sys.executable,
         "-m",
-        "trace_mega.cli",
+        "trace_mega",
         "train",
         "--config",
         str(CONFIG),

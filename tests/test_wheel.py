@@ -75,12 +75,12 @@ def test_wheel_ships_configs_benchmarks_kernels_and_data(wheel):
         "trace_mega/data/math/problems.jsonl",
         "trace_mega/data/multihop/corpus.jsonl",
         "trace_mega/resources.py",
-        "trace_mega/cli.py",
+        "trace_mega/commands/cli.py",
     ):
         assert path in names, path
     assert not any(n.startswith(("configs/", "benchmarks/", "kernels/", "tests/")) for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "trace-mega = trace_mega.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "trace-mega = trace_mega.commands.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 @pytest.mark.slow

@@ -7,25 +7,10 @@ docstring; units are in the names.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from trace_mega.configbase import ConfigError, load_config, load_yaml, require, save_yaml, to_dict
-
-
-def _require_registered(field_name: str, module: str, registry: str, name: str) -> Any:
-    """The entry `name` of `module.registry`, or a ConfigError naming the field and the valid names.
-
-    The registry module is imported here, at load time, so a bad name fails
-    before anything is built (config.py itself stays import-light).
-    """
-    reg = getattr(importlib.import_module(module), registry)
-    if name not in reg:
-        raise ConfigError(f"{field_name}: unknown {reg.kind} {name!r}; valid names: {', '.join(reg.names())}")
-    return reg.get(name)
-
 
 __all__ = [
     "AllocationConfig",
@@ -43,7 +28,6 @@ __all__ = [
     "EvalConfig",
     "ClusterConfig",
     "TrainConfig",
-    "PretrainConfig",
     "ConfigError",
     "load_config",
     "load_yaml",
@@ -101,7 +85,6 @@ class AllocationConfig:
         require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
         require(0.0 <= self.fallback_skill_decay < 1.0, "fallback_skill_decay", "must be in [0, 1)")
         require(0.0 <= self.exploration_fraction <= 1.0, "exploration_fraction", "must be in [0, 1]")
-        _require_registered("name", "trace_mega.allocation", "ALLOCATORS", self.name)
 
 
 @dataclass
@@ -190,7 +173,6 @@ class RolloutConfig:
         require(self.temperature >= 0, "temperature", "must be >= 0")
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
-        _require_registered("engine", "trace_mega.rollout.engines", "ENGINES", self.engine)
 
 
 @dataclass
@@ -208,12 +190,6 @@ class EnvConfig:
     def validate(self) -> None:
         require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
         require(self.max_tool_calls_per_turn >= 1, "max_tool_calls_per_turn", "must be >= 1")
-        cls = _require_registered("name", "trace_mega.envs", "ENVS", self.name)
-        params = inspect.signature(cls.__init__).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            valid = sorted(k for k in params if k != "self")
-            for key in self.options:
-                require(key in valid, f"options.{key}", f"unknown option of {self.name!r}; valid: {', '.join(valid)}")
 
 
 @dataclass
@@ -333,7 +309,7 @@ class OptimConfig:
 @dataclass
 class LossConfig:
     name: str = "ppo_clip_token"
-    """Loss registry name: ppo_clip_token (GRPO) | dapo | gspo (trace_mega/learner/losses.py)."""
+    """Loss registry name: ppo_clip_token (GRPO) | dapo | gspo (trace_mega/objective/losses.py)."""
     clip_eps_low: Optional[float] = None
     """Lower clip range of the ratio (None: the loss's default, 0.2; gspo 3e-4)."""
     clip_eps_high: Optional[float] = None
@@ -378,7 +354,6 @@ class LossConfig:
             "rollout_is",
             "corrects the learner's old log-probs against the engine's; needs old_logprobs: learner",
         )
-        _require_registered("name", "trace_mega.learner.losses", "LOSSES", self.name)
 
 
 @dataclass
@@ -396,7 +371,6 @@ class AdvantageConfig:
 
     def validate(self) -> None:
         require(0 < self.gigpo_gamma <= 1, "gigpo_gamma", "must be in (0, 1]")
-        _require_registered("name", "trace_mega.learner.advantages", "ADVANTAGES", self.name)
         require(
             self.name != "trace_credit",
             "name",
@@ -447,10 +421,22 @@ class CheckpointConfig:
     every_steps: int = 10
     """Save every this many steps."""
     resume: bool = True
-    """Resume from the newest checkpoint in `dir` when there is one."""
+    """Resume from the newest intact checkpoint in `dir` when there is one (a damaged or incomplete
+    newer one is skipped with a warning naming the broken file; docs/operations.md)."""
+    keep_last: int = 2
+    """Complete checkpoints kept: once a new one is complete, rank 0 removes the older ones beyond the
+    newest this-many, with their predictor files (0: keep all). The newest is never removed."""
+    keep_every: Optional[int] = None
+    """Milestones kept for good whatever `keep_last` says: checkpoints whose step is a multiple of this
+    (None or 0: none)."""
     export_hf_at_end: bool = False
     """When training ends, write the policy as an HF checkpoint to `<telemetry.out_dir>/hf`
     (safetensors, config.json, tokenizer, generation config; what `trace-mega export` writes)."""
+
+    def validate(self) -> None:
+        require(self.every_steps >= 1, "every_steps", "must be >= 1")
+        require(self.keep_last >= 0, "keep_last", "must be >= 0 (0 keeps every checkpoint)")
+        require(self.keep_every is None or self.keep_every >= 0, "keep_every", "must be >= 0 (or null)")
 
 
 @dataclass
@@ -552,61 +538,3 @@ class TrainConfig:
 
     def validate(self) -> None:
         require(self.steps >= 0, "steps", "must be >= 0")
-
-
-@dataclass
-class PretrainConfig:
-    """The warm start (`trace-mega pretrain`, trace_mega/pretrain.py): the tiny policy trained as a
-    language model on generated transcripts of an environment, saved as an HF checkpoint."""
-
-    seed: int = 0
-    """Seed of the initialisation, the transcript stores and the transcript policy."""
-    steps: int = 400
-    """Optimiser steps."""
-    episodes_per_step: int = 32
-    """Transcripts (one episode each, a fresh hidden store) per optimiser step."""
-    micro_batch_episodes: Optional[int] = None
-    """Transcripts packed into one micro-batch (its tree mask is quadratic in the micro-batch's tokens); None: all
-    of a step's in one."""
-    num_stores: int = 4096
-    """Distinct generated tasks the transcripts cycle through (from a seed stream other than the environment's
-    own train / test tasks)."""
-    answer_prob: float = 0.3
-    """Per turn, probability that the transcript policy answers now (synthetic_search: else it looks a key up;
-    synthetic_tools: on a turn off the goal that does not take the right action, else it moves away)."""
-    mentioned_key_prob: float = 0.5
-    """synthetic_search: probability that a lookup picks a key already mentioned in the context (else any key,
-    uniformly)."""
-    correct_action_prob: float = 0.7
-    """synthetic_tools: per turn, probability that the walker takes the right action (on the goal: answer; off it:
-    a move towards the goal)."""
-    max_turns: int = 6
-    """Most turns per transcript; the last allowed turn always answers."""
-    loss_on_observations: bool = True
-    """Language-model loss on every token (prompt and observations too: a repeated lookup shows a fact again,
-    which teaches copying from the context); False: only the transcript policy's own tokens."""
-    env: EnvConfig = field(default_factory=lambda: EnvConfig(name="synthetic_search"))
-    """Environment whose format the transcripts follow (its options shape the generated stores)."""
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=None))
-    """Architecture of the tiny policy (vocab_size None: the environment tokenizer's size)."""
-    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(device="cpu"))
-    """Where it trains."""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=20))
-    """Optimiser of the language-model loss."""
-    cache_dir: str = "runs/pretrain_cache"
-    """Checkpoints are cached under cache_dir/<hash of every other field>; not part of the hash."""
-
-    def validate(self) -> None:
-        require(self.steps >= 1, "steps", "must be >= 1")
-        require(self.episodes_per_step >= 1, "episodes_per_step", "must be >= 1")
-        require(self.num_stores >= 1, "num_stores", "must be >= 1")
-        require(
-            self.micro_batch_episodes is None or self.micro_batch_episodes >= 1,
-            "micro_batch_episodes",
-            "must be >= 1 or null",
-        )
-        require(0.0 < self.answer_prob <= 1.0, "answer_prob", "must be in (0, 1]")
-        require(0.0 <= self.mentioned_key_prob <= 1.0, "mentioned_key_prob", "must be in [0, 1]")
-        require(0.0 <= self.correct_action_prob <= 1.0, "correct_action_prob", "must be in [0, 1]")
-        require(self.max_turns >= 1, "max_turns", "must be >= 1")
-        require(self.model.hf_checkpoint is None, "model.hf_checkpoint", "the warm start trains from scratch")

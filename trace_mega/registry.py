@@ -2,12 +2,15 @@
 
 Allocators, advantage estimators, losses, environments and rollout engines are
 each chosen by name from a config. A registry maps name -> factory and, on a
-bad name, raises an error that lists every valid name.
+bad name, raises an error that lists every valid name (`check`: a ConfigError
+naming the config field, raised where the component is built).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
+
+from trace_mega.configbase import ConfigError
 
 T = TypeVar("T")
 
@@ -34,6 +37,13 @@ class Registry(Generic[T]):
         except KeyError:
             valid = ", ".join(sorted(self._entries)) or "(none registered)"
             raise KeyError(f"unknown {self.kind} {name!r}; valid names: {valid}") from None
+
+    def check(self, name: str, field: str) -> T:
+        """The entry `name`, or a ConfigError naming the config `field` and every valid name."""
+        if name not in self._entries:
+            valid = ", ".join(sorted(self._entries)) or "(none registered)"
+            raise ConfigError(f"{field}: unknown {self.kind} {name!r}; valid names: {valid}")
+        return self._entries[name]
 
     def names(self) -> list[str]:
         return sorted(self._entries)

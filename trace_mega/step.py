@@ -1,13 +1,13 @@
-"""`StepBatch`: the record one trainer step fills, stage by stage (docs/step.md).
+"""`StepBatch`: the record of one trainer step (docs/step.md).
 
 A step starts from its candidate prompts as root-only trees and ONE packed
 layout of them. The layout is extended, never re-packed from scratch, when
 the trees grow: after the bare rollouts (keeping the prompts that got any)
-and after the continuations. Every stage reads the record and fills its own
-fields: predictions and plans (TRACE-A, docs/design.md §3), the policy's
-hidden states of this rank's share of the final layout (from the update's own
-forward, reused by the predictor's fit), the TRACE-C probe values and the
-advantages.
+and after the continuations. The stages take their inputs as arguments and
+return what they make; the trainer alone writes it here: predictions and
+plans (TRACE-A, docs/design.md §3), the grown trees, the TRACE-C probe
+values, the advantages and the policy update (its metrics and this rank's
+hidden states, which the predictor's fit reads).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from trace_mega.rollout.tree import PackedTrees, RolloutTree, extend, pack
 
 if TYPE_CHECKING:
     from trace_mega.envs.base import Task
-    from trace_mega.learner.advantages import Advantages
+    from trace_mega.learner.learner import PolicyUpdate
+    from trace_mega.objective.advantages import Advantages
 
 
 @dataclass
@@ -55,13 +56,6 @@ class StepBatch:
     """(num_trees,) int64: which candidate prompt each tree belongs to."""
     packed: PackedTrees
     """THE layout of `trees` (docs/PACKING.md), extended as they grow."""
-    hidden: Optional[torch.Tensor] = None
-    """(T_share, H) policy final hidden states under this step's (pre-update) weights of the trees
-    `hidden_trees` (the layout `packed.select(hidden_trees)`), or None until the update ran on the
-    current layout; dropped when the layout grows."""
-    hidden_trees: Optional[list[int]] = None
-    """The trees (indices into `trees`, ascending) whose hidden states `hidden` holds: this
-    data-parallel rank's share of the update (every tree with one rank)."""
     v_root: Optional[torch.Tensor] = None
     """(B,) float64 predicted success of each candidate prompt (zeros for a predictor-free allocator)."""
     rollouts: Optional[torch.Tensor] = None
@@ -77,6 +71,8 @@ class StepBatch:
     """(N,) TRACE-C probe ℓ̄ at the boundary after each node of the final layout (credit enabled)."""
     advantages: Optional["Advantages"] = None
     """Per-token advantages and loss weights (and per-node A) on the final layout."""
+    update: Optional["PolicyUpdate"] = None
+    """The policy update on the final layout: its metrics and this data-parallel rank's hidden states."""
 
     @classmethod
     def from_prompts(cls, step: int, tasks: Sequence["Task"], prompt_ids: Sequence[list[int]]) -> "StepBatch":
@@ -98,7 +94,6 @@ class StepBatch:
         self.trees = [trees[i] for i in keep]
         self.prompt_index = self.prompt_index[torch.tensor(keep, dtype=torch.long)]
         self.packed = extend(base, self.trees)
-        self.hidden, self.hidden_trees = None, None  # they described the old layout
 
     def prefix_candidates(self) -> PrefixCandidates:
         """Non-root, non-terminal nodes of the bare trees (each lies on exactly one bare rollout)."""
@@ -108,13 +103,12 @@ class StepBatch:
         node = torch.nonzero((p.node_parent >= 0) & ~is_leaf).flatten()
         # In a bare tree a non-root node has exactly one terminal descendant.
         r = p.node_reward_sum[node] / p.node_leaf_count[node].clamp(min=1)
-        self.prefixes = PrefixCandidates(
+        return PrefixCandidates(
             node=node,
             r=(r > 0.5).float(),
             group=self.prompt_index[p.node_tree[node]],
             local=[p.node_local[i] for i in node.tolist()],
         )
-        return self.prefixes
 
     def branch_points(self) -> list[tuple[int, int, int]]:
         """(tree, node, k) of the planned continuations: from prefixes, then from roots (node 0)."""

@@ -4,12 +4,14 @@ One step fills one `StepBatch`: plan roots (predictor on the prompts →
 `plan_roots`) → roll out (bare rollouts) → score prefixes (predictor on every
 prefix, one packed pass → `plan_prefixes`) → expand (continuations from the
 chosen prefixes; the engine reuses their KV) → credit (TRACE-C probe when
-enabled, advantages) → learn (one optimiser step; its forward leaves the
+enabled, advantages) → learn (the policy update; its forward returns the
 step's hidden states) → fit predictor (on those hidden states) → sync (the
-engine gets the new weights in memory).
+engine gets the new weights in memory). Each stage takes its inputs as
+arguments and returns what it makes; only this loop writes the step record.
 
 Which allocator, advantage estimator, environment and engine run is chosen by
-name in the config; every allocator spends the same trajectory budget.
+name in the config (checked before anything is built: `check_component_names`);
+every allocator spends the same trajectory budget.
 Distributed runs (torchrun): every rank joins the model forwards (they are TP
 collectives). Every data-parallel replica (one model-parallel group) has its
 own engine and rolls out its share of the step's prompts
@@ -28,22 +30,23 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from trace_mega.allocation import Allocator, build_allocator
+from trace_mega.allocation import ALLOCATORS, Allocator, build_allocator
 from trace_mega.config import TrainConfig, save_yaml, to_dict
-from trace_mega.envs import build_env
+from trace_mega.credit.metrics import env_credit_accuracy
+from trace_mega.credit.probe import check_task_answers
+from trace_mega.envs import build_env, check_env
 from trace_mega.evaluation import EvalReport, evaluate
-from trace_mega.export import policy_tokenizer, write_hf_extras
-from trace_mega.learner.advantages import compute_advantages
-from trace_mega.learner.credit_metrics import env_credit_accuracy
-from trace_mega.learner.learner import Learner, balanced_bins, hf_config
-from trace_mega.learner.probe import check_task_answers
-from trace_mega.predictor import SkillGuard, build_predictor, plot_reliability
+from trace_mega.learner.hf_files import policy_tokenizer, write_hf_extras
+from trace_mega.learner.learner import Learner, hf_config
+from trace_mega.objective.advantages import ADVANTAGES, compute_advantages
+from trace_mega.objective.losses import LOSSES
+from trace_mega.predictor import Calibration, SkillGuard, build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
-from trace_mega.rollout.engines import EngineSetup, build_engine
+from trace_mega.rollout.engines import ENGINES, EngineSetup, build_engine
 from trace_mega.rollout.replicas import ReplicaLayout
+from trace_mega.rollout.tree import PackedTrees
 from trace_mega.sampler import PromptSampler, SamplerState
 from trace_mega.step import StepBatch
 from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer, tree_metrics
@@ -53,6 +56,7 @@ log = logging.getLogger("trace_mega")
 
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
+        check_component_names(cfg)  # a bad registry name fails before anything is built
         self.env = build_env(cfg.env.name, **cfg.env.options)
         self.tasks = self.env.tasks("train")
         self.tokenizer = policy_tokenizer(cfg, self.env)
@@ -67,14 +71,7 @@ class Trainer:
         g = self.learner.groups
         self.is_main = g.rank == 0
         self.dp_group = g.pgs.dp if g.dp_size > 1 else None  # the predictor's fit sums gradients over it
-        layout = ReplicaLayout.from_groups(g, cfg.rollout.tensor_parallel_size)
-        if cfg.rollout.engine == "vllm" and g.pp_size > 1 and layout.num_replicas > 1:
-            # megatron orders PP outermost, so a replica's ranks are not consecutive; vLLM's
-            # external launcher groups consecutive ranks into its tensor-parallel group.
-            raise ValueError(
-                "rollout.engine vllm with parallel.pipeline_model_parallel_size > 1 runs one replica "
-                f"only (here {layout.num_replicas}): use PP = 1 with DP replicas, or the torch engine"
-            )
+        layout = ReplicaLayout.from_groups(g, cfg.rollout.tensor_parallel_size, engine=cfg.rollout.engine)
         engine = build_engine(
             EngineSetup(
                 rollout=cfg.rollout,
@@ -136,12 +133,13 @@ class Trainer:
             with timer("step"):
                 tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]
                 batch = StepBatch.from_prompts(step, tasks, self.rollouts.prompt_ids(tasks))
-                batch.v_root = self._predict(batch, batch.root_nodes(), allocator)  # plan roots
+                batch.v_root = self._predict(batch.packed, batch.root_nodes(), allocator)  # plan roots
                 batch.rollouts = allocator.plan_roots(batch.v_root, gen).cpu()
-                with timer("rollout"):
-                    self.rollouts.roll_out(batch, seed=2 * step)  # roll out
-                cand = batch.prefix_candidates()
-                batch.v_prefix = self._predict(batch, cand.node, allocator)  # score prefixes
+                with timer("rollout"):  # roll out
+                    grown = self.rollouts.roll_out(tasks, batch.trees, batch.rollouts.tolist(), seed=2 * step)
+                batch.grow(grown, keep=batch.rollouts.nonzero().flatten().tolist())  # prompts given none leave
+                batch.prefixes = cand = batch.prefix_candidates()
+                batch.v_prefix = self._predict(batch.packed, cand.node, allocator)  # score prefixes
                 batch.continuations = allocator.plan_prefixes(
                     batch.v_prefix, cand.r.to(batch.v_prefix), cand.group.to(batch.v_prefix.device), batch.rollouts, gen
                 )
@@ -149,17 +147,21 @@ class Trainer:
                 batch.root_continuations = allocator.plan_root_continuations(
                     batch.rollouts, batch.continuations.cpu(), gen
                 )
-                with timer("expand"):
-                    self.rollouts.expand(batch, seed=2 * step + 1)  # expand
-                with timer("credit"):
-                    metrics = self._credit(batch)  # credit
-                with timer("train"), self.rollouts.paused():
-                    metrics |= self.learner.train_step(batch)  # learn
-                with timer("predictor"):
-                    fit = self.predictor.fit_step(batch, self.dp_group)  # fit predictor
-                metrics |= self._plot_predictor(fit)  # telemetry, outside the predictor's time
-                with timer("weight_sync"):
-                    self.learner.sync_weights(self.rollouts.engine)  # sync
+                with timer("expand"):  # expand
+                    batch.grow(self.rollouts.expand(batch.trees, batch.branch_points(), seed=2 * step + 1))
+                with timer("credit"):  # credit
+                    batch.node_ell = self._probe(batch)
+                    batch.advantages = compute_advantages(
+                        batch.packed, batch.trees, cfg.advantage, cfg.credit, batch.node_ell
+                    )
+                with timer("train"), self.rollouts.paused():  # learn
+                    batch.update = self.learner.train_step(batch.packed, batch.advantages)
+                with timer("predictor"):  # fit predictor
+                    fit = self.predictor.fit_step(batch.packed, batch.update.hidden, batch.update.trees, self.dp_group)
+                with timer("weight_sync"):  # sync
+                    self.learner.sync_weights(self.rollouts.engine)
+            self._plot_predictor(fit.calibration)  # telemetry, outside the step's time
+            metrics = batch.update.metrics | fit.metrics | self._credit_accuracy(batch)
             metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
             spent = int(batch.rollouts.sum() + batch.continuations.sum() + batch.root_continuations.sum())
             metrics |= {
@@ -178,43 +180,26 @@ class Trainer:
             self.export_hf(Path(cfg.telemetry.out_dir) / "hf")
 
     # --- components' glue -------------------------------------------------------------
-    def _predict(self, batch: StepBatch, nodes: torch.Tensor, allocator: Allocator) -> torch.Tensor:
-        """(S,) float64 predicted success of `nodes` of the step's layout, on the learner's device;
-        zeros, with no forward at all, for an allocator that does not read them.
+    def _predict(self, packed: PackedTrees, nodes: torch.Tensor, allocator: Allocator) -> torch.Tensor:
+        """(S,) float64 predicted success of `nodes` of the step's layout, on the learner's device
+        (split over data-parallel ranks: `Learner.score_nodes`); zeros, with no forward at all,
+        for an allocator that does not read them."""
+        if not allocator.uses_predictor:
+            return torch.zeros(nodes.numel(), dtype=torch.float64, device=self.learner.groups.device)
+        return self.learner.score_nodes(packed, nodes, self.predictor.predict, self.predictor.needs_policy_hidden)
 
-        The forwards are split over data-parallel ranks: each DP rank (with its TP and PP peers)
-        encodes only its share of the trees that hold `nodes` (`balanced_bins` on tokens, the same
-        on every rank) and scores their nodes; the predictions are summed over DP into the whole
-        vector (each is filled by exactly one rank), so no rank repeats another rank's forward."""
-        g = self.learner.groups
-        out = torch.zeros(nodes.numel(), dtype=torch.float64, device=g.device)
-        if not allocator.uses_predictor or nodes.numel() == 0:
-            return out
-        packed = batch.packed
-        trees = sorted(set(packed.node_tree[nodes.cpu()].tolist()))
-        tokens = packed.tree_num_tokens().tolist()
-        share = [trees[j] for j in balanced_bins([tokens[t] for t in trees], g.dp_size)[g.dp_rank]]
-        if share:
-            sub = packed.select(share)
-            idx, local = packed.nodes_in(share, nodes)
-            hidden = self.learner.hidden_states(sub) if self.predictor.needs_policy_hidden else None
-            out[idx.to(g.device)] = self.predictor.predict(sub, local, hidden).to(out)
-        if g.dp_size > 1:
-            dist.all_reduce(out, group=g.pgs.dp)
-        return out
+    def _probe(self, batch: StepBatch) -> Optional[torch.Tensor]:
+        """TRACE-C's (N,) probe values ℓ̄ on the step's final layout, when credit is enabled."""
+        if not self.cfg.credit.enabled:
+            return None
+        return self.learner.probe(batch.packed, batch.trees, self._encode, self.cfg.credit.answer_template)
 
-    def _credit(self, batch: StepBatch) -> dict[str, float]:
-        """TRACE-C probe values (when enabled) and the advantages of the step's final trees; returns the
-        credit-accuracy metrics (`credit/auc`, ...) when the environment labels its turns."""
-        cfg = self.cfg
-        if cfg.credit.enabled:
-            batch.node_ell = self.learner.probe(batch, self._encode, cfg.credit.answer_template)
-        batch.advantages = compute_advantages(batch.packed, batch.trees, cfg.advantage, cfg.credit, batch.node_ell)
-        return env_credit_accuracy(self.env, batch.packed, batch.trees, batch.node_ell, cfg.credit)
+    def _credit_accuracy(self, batch: StepBatch) -> dict[str, float]:
+        """`credit/auc`, ... of the probe's turn credit where the environment labels its turns."""
+        return env_credit_accuracy(self.env, batch.packed, batch.trees, batch.node_ell, self.cfg.credit)
 
-    def _plot_predictor(self, out: dict[str, Any]) -> dict[str, Any]:
-        """`out` (a fit's metrics) without its calibration, whose reliability curve is saved every 10 steps."""
-        cal = out.pop("_calibration", None)
+    def _plot_predictor(self, cal: Optional[Calibration]) -> None:
+        """The reliability curve of the newest fit, saved every 10 steps and after the last."""
         last = self.step == self.cfg.steps - 1
         if cal is not None and self.is_main and cal.num_samples and (self.step % 10 == 0 or last):
             plot_reliability(
@@ -222,7 +207,6 @@ class Trainer:
                 Path(self.cfg.telemetry.out_dir) / "reliability.png",
                 title=f"step {self.step}: predictor on the newest trees",
             )
-        return out
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -241,17 +225,24 @@ class Trainer:
         ck = self.cfg.checkpoint
         if ck.dir is None or (self.step % ck.every_steps and self.step != self.cfg.steps):
             return
-        root = Path(ck.dir)
-        if self.is_main:  # written before `latest` moves, so a kill never pairs it with another step
-            root.mkdir(parents=True, exist_ok=True)
-            torch.save(self.predictor.state_dict(), root / f"predictor_{self.step:08d}.pt")
-        self.learner.save(root, self.step, self._state())
+        state = self.predictor.state_dict()
+        # Rank 0 writes the predictor beside the step dir inside the save, before `latest` moves (so a
+        # kill never pairs it with another step); it is in the step's manifest and pruned with it.
+        # A failed write raises CheckpointError after the partial files are removed: the run stops.
+        self.learner.save(
+            Path(ck.dir),
+            self.step,
+            self._state(),
+            extras={f"predictor_{self.step:08d}.pt": lambda path: torch.save(state, path)},
+            keep_last=ck.keep_last,
+            keep_every=ck.keep_every,
+        )
 
     def _resume(self) -> None:
         ck = self.cfg.checkpoint
         if ck.dir is None or not ck.resume:
             return
-        state = self.learner.load_latest(ck.dir)
+        state = self.learner.load_latest(ck.dir)  # the newest intact checkpoint (docs/operations.md)
         if state is None:
             return
         self.step = int(state["trainer_step"])
@@ -261,7 +252,7 @@ class Trainer:
         pred = Path(ck.dir) / f"predictor_{self.step:08d}.pt"
         self.predictor.load_state_dict(torch.load(pred, map_location=self.learner.groups.device))
         self.learner.sync_weights(self.rollouts.engine)
-        log.info("resumed from %s at step %d", ck.dir, self.step)
+        log.info("resumed from %s at step %d", Path(ck.dir) / f"step_{self.step:08d}", self.step)
 
     # --- evaluation, export and teardown -------------------------------------------------
     @torch.no_grad()
@@ -302,6 +293,16 @@ class Trainer:
         from trace_mega.learner.parallel import destroy_parallel
 
         destroy_parallel()
+
+
+def check_component_names(cfg: TrainConfig) -> None:
+    """Every registry name of `cfg` (and the environment's options), checked where the components are
+    built: a ConfigError naming the field and the valid names, before anything is started."""
+    ALLOCATORS.check(cfg.allocation.name, "allocation.name")
+    check_env(cfg.env.name, cfg.env.options)
+    ENGINES.check(cfg.rollout.engine, "rollout.engine")
+    ADVANTAGES.check(cfg.advantage.name, "advantage.name")
+    LOSSES.check(cfg.loss.name, "loss.name")
 
 
 def _hash(tasks) -> float:

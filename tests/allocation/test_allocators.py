@@ -7,7 +7,7 @@ import torch
 
 from trace_mega.allocation import ALLOCATORS, allocate_prefixes, allocate_roots, build_allocator
 from trace_mega.allocation.allocators import flat_groups, split_budget
-from trace_mega.config import AllocationConfig
+from trace_mega.config import AllocationConfig, ConfigError
 from trace_mega.kernels.allocation_ref import root_objective, roots_dp
 
 NAMES = ["pcl", "trace", "trace_global", "treepo", "uniform"]
@@ -29,7 +29,9 @@ def _prefixes_for(m, turns, g):
 
 def test_registry_names_and_errors():
     assert ALLOCATORS.names() == NAMES
-    with pytest.raises(KeyError, match="valid names: pcl, trace, trace_global, treepo, uniform"):
+    with pytest.raises(
+        ConfigError, match=r"^allocation\.name: .* valid names: pcl, trace, trace_global, treepo, uniform"
+    ):
         build_allocator(AllocationConfig(name="nope"))
 
 

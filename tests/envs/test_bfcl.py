@@ -162,7 +162,7 @@ def test_run_with_timeout_abandons_a_runaway_call():
 def test_ground_truth_calls_pass_the_react_parser_against_the_env_schemas():
     """The converted schemas accept (nearly) every ground-truth call; the known misses are
     dataset quirks (a string `ticket_id` for an integer parameter)."""
-    from trace_mega.envs.react import parse_turn
+    from trace_mega.rollout.react import parse_turn
 
     env = BFCLMultiTurnEnv(categories=("base",))
     total, rejected = 0, []
@@ -228,3 +228,45 @@ def test_single_turn_task_through_the_agent_loop():
         observations[name] = [tree.nodes[n].observation for n in path[1:-1]]
     assert rewards == {"full": 1.0, "partial": 0.0}
     assert len(observations["full"]) == 2 and "lockStatus" in observations["full"][0]
+
+
+def test_bad_data_rows_name_file_line_and_field(tmp_path, caplog):
+    from trace_mega.envs.bfcl import bfcl_data_dir, load_category
+    from trace_mega.envs.records import DataError
+
+    name = "BFCL_v4_multi_turn_base.json"
+    src = bfcl_data_dir()
+    questions = (src / name).read_text().splitlines()[:4]
+    answers = (src / "possible_answer" / name).read_text().splitlines()[:4]
+    (tmp_path / "possible_answer").mkdir()
+    q_file, a_file = tmp_path / name, tmp_path / "possible_answer" / name
+
+    def write(qs, ans):
+        q_file.write_text("\n".join(qs) + "\n")
+        a_file.write_text("\n".join(ans) + "\n")
+
+    entry = json.loads(questions[1])
+    del entry["question"]
+    write([questions[0], json.dumps(entry), *questions[2:]], answers)
+    with pytest.raises(DataError) as err:
+        load_category("base", tmp_path)
+    assert str(err.value) == f"{q_file}:2: missing field 'question'"
+    write(questions, [answers[0], answers[1][:20], *answers[2:]])
+    with pytest.raises(DataError, match=r"possible_answer/BFCL_v4_multi_turn_base\.json:2: invalid JSON \("):
+        load_category("base", tmp_path)
+    with caplog.at_level("WARNING", logger="trace_mega.envs.records"):
+        env = build_env("bfcl_multi_turn", categories=["base"], data_dir=str(tmp_path), on_bad_row="skip")
+        tasks = env.tasks("test")
+    assert [t.task_id for t in tasks] == [json.loads(q)["id"] for q in questions if q is not questions[1]]
+    first_q = json.loads(questions[1])["id"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{a_file}: skipped 1 bad row(s) of 4 (on_bad_row: skip); the first: {a_file}:2: invalid JSON "
+        "(Unterminated string starting at: column 8)",
+        f"{q_file}: skipped 1 bad row(s) of 4 (on_bad_row: skip); the first: {q_file}:2: no ground truth with id "
+        f"{first_q!r} in {a_file}",
+    ]
+    entry = json.loads(questions[2])
+    entry["id"] = "no-index"
+    write([*questions[:2], json.dumps(entry), questions[3]], answers)
+    with pytest.raises(DataError, match=r":3: field 'id' must be a string ending in _<number>, got 'no-index'$"):
+        load_category("base", tmp_path)

@@ -39,8 +39,8 @@ from bfcl_replay_engine import ReplayEngine, qwen3_style_tokenizer, replay_logpr
 
 from trace_mega.config import RolloutConfig  # noqa: E402
 from trace_mega.envs.bfcl import CATEGORIES, BFCLMultiTurnEnv, corrupt, ground_truth_calls  # noqa: E402
-from trace_mega.envs.react import ReactScaffold  # noqa: E402
 from trace_mega.rollout.agent_loop import AgentLoop  # noqa: E402
+from trace_mega.rollout.react import ReactScaffold  # noqa: E402
 
 PER_CATEGORY = 5
 # Ground truth the ReAct parser rejects (docs/envs.md, "Dataset quirks"), and altered

@@ -216,3 +216,43 @@ def test_usual_math_layouts_jsonl_json_and_parquet(tmp_path):
     env = MathPythonEnv(test_path=[str(aime), str(verl)])
     assert [t.meta["source"] for t in env.tasks("test")] == ["aime24", "math500", "minerva"]
     env.close()
+
+
+def test_bad_math_rows_name_the_place_or_are_skipped(tmp_path, caplog):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trace_mega.envs.records import DataError
+
+    path = tmp_path / "aime.jsonl"
+    path.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "no answer"}\n{"problem": \n')
+    with pytest.raises(DataError) as err:
+        load_math(path)
+    assert str(err.value) == (
+        f"{path}:2: no answer field (answer, Answer, final_answer, ground_truth, expected_answer, target) "
+        "and no \\boxed{} in 'solution'"
+    )
+    with caplog.at_level("WARNING", logger="trace_mega.envs.records"):
+        tasks = load_math(path, on_bad_row="skip")
+    assert [t.gold_answer for t in tasks] == ["2"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: skipped 2 bad row(s) of 3 (on_bad_row: skip); the first: {path}:2: no answer field "
+        "(answer, Answer, final_answer, ground_truth, expected_answer, target) and no \\boxed{} in 'solution'"
+    ]
+    as_json = tmp_path / "math.json"
+    as_json.write_text(json.dumps([{"problem": "p", "answer": "1"}, {"problem": "", "answer": "2"}]))
+    with pytest.raises(DataError, match=r"math\.json row 1: a math row needs one of the fields problem, "):
+        load_math(as_json)
+    verl = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p", "solution": 3}]), verl)
+    with pytest.raises(DataError, match=r"train\.parquet row 0: no answer field"):
+        load_math(verl)
+    truncated = tmp_path / "cut.json"
+    truncated.write_text('[{"problem": "p", "answer": "1"},\n {"problem": ')
+    with pytest.raises(DataError, match=r"cut\.json:2: invalid JSON \(Expecting value: column 14\)$"):
+        load_math(truncated, on_bad_row="skip")  # an unparsable JSON document cannot be skipped row by row
+    env = MathPythonEnv(train_path=str(path), on_bad_row="skip", isolation="weak")
+    assert len(env.tasks("train")) == 1
+    env.close()
+    with pytest.raises(ValueError, match="on_bad_row must be one of error, skip"):
+        MathPythonEnv(on_bad_row="warn", isolation="weak")

@@ -265,3 +265,92 @@ def test_parquet_and_several_benchmark_files(tmp_path):
     env = MultiHopQAEnv(test_path=[str(nq), bamboo])
     assert [x.meta["dataset"] for x in env.tasks("test")] == ["nq", "bamboogle"]
     assert all(x.tools[0]["function"]["name"] == "search" for x in env.tasks("test"))
+
+
+# ---- malformed data: one line naming the place, or skipped and counted ----------------
+def test_bad_rows_name_file_line_or_row_and_field(tmp_path):
+    from trace_mega.envs.records import DataError
+
+    good = {"question": "q", "answer": "a"}
+    jsonl = tmp_path / "nq.jsonl"
+    jsonl.write_text(json.dumps(good) + "\n\n{bad json\n")
+    with pytest.raises(DataError) as err:
+        load_qa(jsonl)
+    assert str(err.value) == f"{jsonl}:3: invalid JSON (Expecting property name enclosed in double quotes: column 2)"
+    hotpot = _write(
+        tmp_path / "hotpot.json",
+        [{**good, "context": [], "supporting_facts": []}, {"question": "q2", "context": [], "supporting_facts": []}],
+        jsonl=False,
+    )
+    with pytest.raises(DataError, match=r"^.*hotpot\.json row 1: missing field 'answer'$"):
+        load_qa(hotpot)
+    with pytest.raises(DataError, match=r"hotpot\.json row 0: field 'context' must be a list of \[title"):
+        load_qa(_write(tmp_path / "hotpot.json", [{**good, "context": "x", "supporting_facts": []}], jsonl=False))
+    with pytest.raises(DataError, match=r"empty\.jsonl:1: no answer: field 'golden_answers' is empty$"):
+        load_qa(_write(tmp_path / "empty.jsonl", [{"question": "q", "golden_answers": [None, ""]}]))
+    with pytest.raises(DataError, match=r"rows\.json row 1: not a JSON object \(got list\)"):
+        load_qa(_write(tmp_path / "rows.json", [good, ["q", "a"]], jsonl=False), "flashrag")
+    with pytest.raises(DataError, match=r"odd\.jsonl:1: unrecognised multi-hop QA row with fields \['prompt'\]"):
+        load_qa(_write(tmp_path / "odd.jsonl", [{"prompt": "x"}]))
+    corpus = _write(tmp_path / "corpus.jsonl", [{"id": "0", "title": "A", "text": "a"}, {"id": "1", "title": "B"}])
+    with pytest.raises(DataError, match=r"corpus\.jsonl:2: missing field 'text'$"):
+        load_corpus(corpus)
+
+
+def test_bad_parquet_rows_and_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trace_mega.envs.records import DataError
+
+    path = tmp_path / "nq.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "a"}, {"question": None, "answer": "b"}]), path)
+    with pytest.raises(DataError, match=r"nq\.parquet row 1: field 'question' must be a non-empty string, got None$"):
+        load_qa(path)
+    assert [t.gold_answer for t in load_qa(path, on_bad_row="skip")] == ["a"]
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(DataError, match=r"broken\.parquet: unreadable Parquet file"):
+        load_qa(broken, on_bad_row="skip")  # a file that cannot be read at all is never skipped
+
+
+def test_on_bad_row_skip_counts_and_warns_once_per_file(tmp_path, caplog):
+    questions = tmp_path / "qs.jsonl"
+    rows = [{"question": "q0", "answer": "a0"}, {"question": "q1"}, {"question": "q2", "answer": "a2"}]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
+    corpus = _write(tmp_path / "corpus.jsonl", [{"title": "A", "text": "alpha"}, {"title": "B"}])
+    env = build_env("multihop_qa", train_path=str(questions), corpus_path=corpus, on_bad_row="skip")
+    with caplog.at_level("WARNING", logger="trace_mega.envs.records"):
+        tasks = env.tasks("train")
+        env.retriever  # noqa: B018  (loads the corpus)
+    assert [t.gold_answer for t in tasks] == ["a0", "a2"] and [t.task_id for t in tasks] == ["0", "2"]
+    assert [p.text for p in env.retriever.passages] == ["alpha"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        f"{questions}: skipped 2 bad row(s) of 4 (on_bad_row: skip); the first: {questions}:2: missing field 'answer'",
+        f"{corpus}: skipped 1 bad row(s) of 2 (on_bad_row: skip); the first: {corpus}:2: missing field 'text'",
+    ]
+    with pytest.raises(ValueError, match="on_bad_row must be one of error, skip, not 'ignore'"):
+        build_env("multihop_qa", on_bad_row="ignore")
+
+
+@pytest.mark.parametrize(
+    "fmt, row, problem",
+    [
+        ("hotpotqa", {"question": "q", "context": [], "supporting_facts": [["A"]]}, "missing field 'answer'"),
+        ("2wikimultihopqa", {"question": "q", "answer": "a", "evidences": "x"}, "field 'evidences' must be a list"),
+        ("musique", {"question": "q", "answer": "a", "paragraphs": [{"title": "T"}]}, "field 'paragraphs' must hold"),
+        ("bamboogle", {"Question": "q"}, "missing field 'Answer'"),
+        ("flashrag", {"question": 7, "answer": "a"}, "field 'question' must be a non-empty string, got 7"),
+    ],
+)
+def test_every_qa_loader_names_the_bad_row(tmp_path, fmt, row, problem):
+    from trace_mega.envs.records import DataError
+
+    path = _write(
+        tmp_path / f"{fmt}.json", [{"question": "ok", "answer": "a", "Question": "ok", "Answer": "a"}, row], False
+    )
+    with pytest.raises(DataError) as err:
+        load_qa(path, fmt)
+    assert str(err.value).startswith(f"{path} row 1: {problem}")
+    assert len(load_qa(path, fmt, on_bad_row="skip")) == 1

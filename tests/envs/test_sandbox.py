@@ -219,3 +219,34 @@ def test_lone_surrogates_become_an_error_observation(sandbox):
     res = sandbox.run("print('\ud800 and \udfff')")
     assert (res.status, res.exit_code) == ("error", None)
     assert "not valid Unicode text" in res.observation() and "it was not run" in res.observation()
+
+
+def test_the_jail_runs_an_interpreter_that_lives_under_tmp():
+    """A venv under /tmp (a checkout or venv there, as on many clusters' scratch space) is bound on
+    top of the jail's private /tmp instead of being hidden by it; the code still cannot write to it."""
+    require_jail()
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="trace_jail_venv_") as root:
+        venv = pathlib.Path(root) / "venv"
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+        box = Sandbox(limits=LIMITS, max_workers=1, python=str(venv / "bin" / "python"))
+        try:
+            res = box.run("import os, sys\nprint(sys.prefix)\nprint(os.getcwd())")
+            assert res.status == "ok", res.output
+            assert res.output.split() == [str(venv), "/tmp"]
+            res = box.run(f"open({str(venv / 'planted.py')!r}, 'w')")
+            assert res.status == "error" and "Read-only file system" in res.output
+            assert not (venv / "planted.py").exists()
+        finally:
+            box.close()
+
+
+def test_an_interpreter_holding_a_private_mount_is_refused_by_name(monkeypatch):
+    from trace_mega.envs import sandbox_jail
+
+    monkeypatch.setattr(sandbox_jail, "interpreter_paths", lambda python: ("/tmp",))
+    with pytest.raises(RuntimeError, match=r"needs /tmp, which is or holds /tmp, a directory the jail mounts"):
+        sandbox_jail._mount_args("/tmp/python", 1 << 20)

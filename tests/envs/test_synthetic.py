@@ -8,7 +8,6 @@ import pytest
 
 from trace_mega.envs import ENVS, build_env
 from trace_mega.envs.base import ToolCall
-from trace_mega.envs.react import ReactScaffold, parse_turn
 from trace_mega.envs.synthetic import (
     ACTION_TOKENS,
     ANSWER_DONE,
@@ -18,6 +17,7 @@ from trace_mega.envs.synthetic import (
     SyntheticEnv,
     SyntheticToolsEnv,
 )
+from trace_mega.rollout.react import ReactScaffold, parse_turn
 
 REVEAL_CALL = ToolCall("reveal", {})
 LEFT, RIGHT = ToolCall("move", {"dir": "left"}), ToolCall("move", {"dir": "right"})

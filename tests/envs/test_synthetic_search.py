@@ -5,9 +5,9 @@ import random
 import pytest
 
 from trace_mega.config import RolloutConfig
+from trace_mega.credit.probe import answer_token_ids
 from trace_mega.envs import ENVS, build_env
 from trace_mega.envs.base import ToolCall
-from trace_mega.envs.react import ReactScaffold, parse_turn
 from trace_mega.envs.synthetic_search import (
     ANSWER_CLOSE,
     ANSWER_OPEN,
@@ -19,9 +19,9 @@ from trace_mega.envs.synthetic_search import (
     make_store,
     useful_lookups,
 )
-from trace_mega.learner.probe import answer_token_ids
 from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.engines.base import Completion, Engine
+from trace_mega.rollout.react import ReactScaffold, parse_turn
 
 
 class TurnScriptEngine(Engine):

@@ -429,7 +429,7 @@ def test_cpu_without_interpreter_falls_back_to_reference(monkeypatch):
 
 def test_benchmark_quick_run(tmp_path):
     """The benchmark runs, its analytic counts are consistent, and its spot-check passes."""
-    from trace_mega.cli import load_benchmark
+    from trace_mega.commands.cli import load_benchmark
 
     out = tmp_path / "b.json"
     res = load_benchmark("tree_attention").main(["--quick", "--json", str(out)])

@@ -60,7 +60,7 @@ def _cli(*args, nproc=1, timeout=300):
         ]
     )
     proc = subprocess.run(
-        [*launcher, "-m", "trace_mega.cli", *args],
+        [*launcher, "-m", "trace_mega", *args],
         cwd=ROOT,
         env=_env(),
         capture_output=True,

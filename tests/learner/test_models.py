@@ -14,8 +14,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from workers.common import packed_tree, path_indices, tree_paths
 
-from trace_mega.learner.attention import TreeCoreAttention, tree_attention_mask, tree_mask_dense
 from trace_mega.learner.models import model_config_from_hf, padded_vocab_size
+from trace_mega.ops.attention import TreeCoreAttention, tree_attention_mask, tree_mask_dense
 
 
 @pytest.fixture(scope="module")

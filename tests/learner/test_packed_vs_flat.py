@@ -21,9 +21,9 @@ import torch
 
 from trace_mega.config import AdvantageConfig, LossConfig
 from trace_mega.kernels.tree_attention_ref import tree_mask
-from trace_mega.learner.advantages import compute_advantages
-from trace_mega.learner.logprobs import flat_token_logprobs, packed_token_logprobs
-from trace_mega.learner.losses import compute_loss, resolve_clip
+from trace_mega.objective.advantages import compute_advantages
+from trace_mega.objective.losses import compute_loss, resolve_clip
+from trace_mega.ops.logprobs import flat_token_logprobs, packed_token_logprobs
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 
 VOCAB = 50
@@ -60,17 +60,17 @@ def make_trees(seed=0):
 def prepare(trees):
     """Packed batch with `tree` advantages and per_leaf token weights (the flattened-equivalent weights)."""
     p = pack(trees)
-    compute_advantages(p, trees, AdvantageConfig(name="tree", shared_token_weight="per_leaf")).apply(p)
-    return p
+    return compute_advantages(p, trees, AdvantageConfig(name="tree", shared_token_weight="per_leaf")).loss_batch(p)
 
 
-def flat_loss(lp, p, f, name, agg):
+def flat_loss(lp, batch, f, name, agg):
     """The flattened-path loss written out directly: (L, S) rows, every token weight 1."""
+    p = batch.packed
     eps = resolve_clip(LossConfig(name=name))
     idx, m = f.packed_index.clamp(min=0), f.loss_mask
     mf = m.float()
     x = torch.where(m, lp - f.behaviour_logprobs, 0.0)  # (L, S)
-    A = torch.where(m, p.advantages[idx], 0.0)
+    A = torch.where(m, batch.advantages[idx], 0.0)
     n = mf.sum(1)
     if name == "gspo":
         s = torch.exp((x * mf).sum(1) / n).detach()[:, None] * torch.exp(x - x.detach())
@@ -86,8 +86,9 @@ def flat_loss(lp, p, f, name, agg):
     return torch.stack([ell[tree == b].sum() / mf[tree == b].sum() for b in range(p.num_trees)]).mean()
 
 
-def compare(model_packed, model_flat, weight, params, p):
-    """{case: (|Δloss|, max |Δgrad|)} between packed and flattened training of `params`."""
+def compare(model_packed, model_flat, weight, params, b):
+    """{case: (|Δloss|, max |Δgrad|)} between packed and flattened training of `params` on the loss input `b`."""
+    p = b.packed
     f = p.flatten()
     with torch.no_grad():  # behaviour log-probs: the current policy, perturbed so some ratios clip
         lp0 = packed_token_logprobs(model_packed(p), weight(), p)
@@ -98,10 +99,10 @@ def compare(model_packed, model_flat, weight, params, p):
     for name, agg in LOSS_CASES:
         cfg = LossConfig(name=name, aggregation=agg)
         lp = packed_token_logprobs(model_packed(p), weight(), p)
-        packed = compute_loss(lp, p, cfg).loss
+        packed = compute_loss(lp, b, cfg).loss
         gp = torch.autograd.grad(packed, params)
         flp = flat_token_logprobs(model_flat(f), weight(), f)
-        flat = flat_loss(flp, p, f, name, agg)
+        flat = flat_loss(flp, b, f, name, agg)
         gf = torch.autograd.grad(flat, params)
         out[f"{name}/{agg}"] = (
             abs(packed.item() - flat.item()),
@@ -137,7 +138,8 @@ def test_packed_equals_flattened_pure_torch_model():
     torch.manual_seed(0)
     model = TinyTreeLM()
     trees = make_trees()
-    p = prepare(trees)
+    b = prepare(trees)
+    p = b.packed
     assert p.compression_ratio() > 1.4
 
     def packed_fwd(p):
@@ -148,7 +150,7 @@ def test_packed_equals_flattened_pure_torch_model():
         causal = torch.ones(S, S, dtype=torch.bool).tril().expand(L, S, S)
         return model(f.tokens, f.position_ids, causal)
 
-    res = compare(packed_fwd, flat_fwd, lambda: model.emb.weight, list(model.parameters()), p)
+    res = compare(packed_fwd, flat_fwd, lambda: model.emb.weight, list(model.parameters()), b)
     for case, (dloss, dgrad, gmax) in res.items():
         assert dloss < 1e-5, (case, dloss)
         assert dgrad < 1e-5, (case, dgrad)
@@ -158,9 +160,9 @@ def test_packed_equals_flattened_pure_torch_model():
 def megatron_worker(out_path: str) -> None:
     """Run the comparison with the learner's TreeGPTModel (TP=1); write the results as JSON."""
     from trace_mega.config import ModelConfig, ParallelConfig
-    from trace_mega.learner.attention import tree_attention_mask
     from trace_mega.learner.models import build_model, forward_packed, output_weight
     from trace_mega.learner.parallel import destroy_parallel, init_parallel
+    from trace_mega.ops.attention import tree_attention_mask
 
     torch.set_num_threads(1)
     par = ParallelConfig(device="cpu")
@@ -177,7 +179,7 @@ def megatron_worker(out_path: str) -> None:
         attention_backend="sdpa",
     )
     model = build_model(mcfg, par, groups.pgs, groups.device, 0, 1)
-    p = prepare(make_trees())
+    b = prepare(make_trees())
 
     def packed_fwd(p):
         mask = tree_attention_mask(p.token_node[None], p.token_node_exit[None])
@@ -187,7 +189,7 @@ def megatron_worker(out_path: str) -> None:
         return forward_packed(model, f.tokens, f.position_ids, None, output="hidden")
 
     params = [q for q in model.parameters() if q.requires_grad]
-    res = compare(packed_fwd, flat_fwd, lambda: output_weight(model), params, p)
+    res = compare(packed_fwd, flat_fwd, lambda: output_weight(model), params, b)
     Path(out_path).write_text(json.dumps(res))
     destroy_parallel()
 

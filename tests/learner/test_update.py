@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from trace_mega.config import AdvantageConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from trace_mega.learner.advantages import compute_advantages
-from trace_mega.learner.learner import Learner, balanced_bins
-from trace_mega.learner.logprobs import packed_token_logprobs
-from trace_mega.learner.losses import compute_loss, rollout_is_weights
+from trace_mega.learner.learner import Learner
 from trace_mega.learner.models import output_weight
 from trace_mega.learner.optim import build_optimizer, train_step
+from trace_mega.objective.advantages import compute_advantages
+from trace_mega.objective.losses import compute_loss, rollout_is_weights
+from trace_mega.ops.balance import balanced_bins
+from trace_mega.ops.logprobs import packed_token_logprobs
 from trace_mega.rollout.tree import Node, RolloutTree, pack
-from trace_mega.step import StepBatch
 
 VOCAB = 61
 
@@ -72,10 +72,9 @@ def _restore(ln, ws):
 
 
 def _batch(trees):
-    """The step record of `trees` with tree advantages (what the trainer hands the learner)."""
-    step = StepBatch(0, [], trees, torch.arange(len(trees)), pack(trees))
-    step.advantages = compute_advantages(step.packed, trees, AdvantageConfig(name="tree"))
-    return step
+    """(layout, tree advantages) of `trees`: what the trainer hands `Learner.train_step`."""
+    packed = pack(trees)
+    return packed, compute_advantages(packed, trees, AdvantageConfig(name="tree"))
 
 
 def test_balanced_bins_are_whole_balanced_and_deterministic():
@@ -93,7 +92,7 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
     trees = _trees()
     w0 = _weights(learner)
     _configure(learner)
-    m = learner.train_step(_batch(trees))
+    m = learner.train_step(*_batch(trees)).metrics
     w1 = _weights(learner)
     assert m["loss/optimizer_steps"] == 1.0 and m["loss/clip_fraction"] == 0.0
     assert m["loss/ratio_max"] == 1.0 and m["loss/approx_kl"] == 0.0
@@ -101,19 +100,20 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
     # The same step by hand: the megatron step over the same micro-batches with ratio 1 by construction.
     _restore(learner, w0)
     _configure(learner)
-    step = _batch(trees)
+    packed, adv = _batch(trees)
     cfg = learner.cfg.loss
 
     def loss_fn(hidden, batch):
-        mb = batch["packed"]
+        lb = batch["loss"]
+        mb = lb.packed
         lp = packed_token_logprobs(hidden[0, : mb.num_tokens], output_weight(learner.chunks[0]), mb)
         units = mb.loss_mask.float().sum()
-        return compute_loss(lp, mb, cfg, old_logprobs=lp.detach()).loss * units, units, {}
+        return compute_loss(lp, lb, cfg, old_logprobs=lp.detach()).loss * units, units, {}
 
     batches = []
-    for _, mb, _ in learner._micro_batches(step.packed, step.advantages, range(len(trees))):
-        ids, pos, mask = learner._inputs(mb)
-        batches.append({"input_ids": ids, "position_ids": pos, "tree_mask": mask, "packed": mb})
+    for _, lb, _ in learner._micro_batches(packed, adv, range(len(trees))):
+        ids, pos, mask = learner._inputs(lb.packed)
+        batches.append({"input_ids": ids, "position_ids": pos, "tree_mask": mask, "loss": lb})
     train_step(learner.chunks, learner.optimizer, learner.scheduler, batches, loss_fn, learner.groups, output="hidden")
     assert all(torch.equal(a, b) for a, b in zip(w1, _weights(learner)))
     assert any(not torch.equal(a, b) for a, b in zip(w0, w1))
@@ -121,8 +121,7 @@ def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):
 
 def test_old_logprobs_forward_matches_the_training_forward_and_returns_hidden(learner):
     trees = _trees()
-    step = _batch(trees)
-    packed = step.packed
+    packed, adv = _batch(trees)
     lp, hidden = learner.old_logprobs(packed, return_hidden=True)
     assert hidden.shape == (packed.num_tokens, learner.hidden_size)
     assert torch.equal(hidden, learner.hidden_states(packed))
@@ -130,20 +129,22 @@ def test_old_logprobs_forward_matches_the_training_forward_and_returns_hidden(le
     assert bool((lp[mask] < 0).all()) and bool((lp[~mask] == 0).all())
     # Given to a 1-mini-batch, 2-epoch update, the first step's ratio is 1 to float noise.
     _configure(learner, epochs_per_step=2, lr=1e-6)
-    m = learner.train_step(step, old_logprobs=lp)
+    m = learner.train_step(packed, adv, old_logprobs=lp).metrics
     assert m["loss/optimizer_steps"] == 2.0 and m["loss/ratio_max"] == pytest.approx(1.0, abs=1e-3)
 
 
 def test_mini_batches_and_epochs_step_the_optimiser_and_clip(learner):
     trees = _trees(6)
     _configure(learner, mini_batches_per_step=3, epochs_per_step=2, lr=5e-2)
-    step = _batch(trees)
-    before = learner.hidden_states(step.packed)
-    m = learner.train_step(step)
+    packed, adv = _batch(trees)
+    before = learner.hidden_states(packed)
+    update = learner.train_step(packed, adv)
+    m = update.metrics
     # The predictor's hidden states are those of the pre-update weights (the no-grad forward), not
     # of a later mini-batch's forward.
-    torch.testing.assert_close(step.hidden, before, rtol=0, atol=1e-6)
-    assert not torch.allclose(learner.hidden_states(step.packed), before, atol=1e-4)
+    assert update.trees == list(range(len(trees)))
+    torch.testing.assert_close(update.hidden, before, rtol=0, atol=1e-6)
+    assert not torch.allclose(learner.hidden_states(packed), before, atol=1e-4)
     assert m["loss/optimizer_steps"] == 6.0 and m["loss/skipped"] == 0.0
     # Later mini-batches and the second epoch are off-policy: the clip acts.
     assert m["loss/clip_fraction"] > 0.0 and m["loss/ratio_max"] > 1.2 and m["loss/approx_kl"] > 0.0
@@ -160,21 +161,21 @@ def _set_behaviour(trees, packed, lp):
 
 def test_behaviour_old_logprobs_and_rollout_importance_weights(learner):
     trees = _trees()
-    packed = _batch(trees).packed
+    packed, _ = _batch(trees)
     lp = learner.old_logprobs(packed)
     _set_behaviour(trees, packed, lp - 0.3)  # the engine was 0.3 nats less likely on every token
     _configure(learner, old_logprobs="behaviour", lr=1e-8)
-    m = learner.train_step(_batch(trees))
+    m = learner.train_step(*_batch(trees)).metrics
     assert m["loss/ratio_mean"] == pytest.approx(torch.exp(torch.tensor(0.3)).item(), rel=1e-3)
     assert m["loss/logprob_mismatch"] == pytest.approx(0.3, rel=1e-3)
     # token-level truncated IS with cap 1.2: every weight e^0.3 = 1.35 is capped
     _configure(learner, rollout_is="token", rollout_is_cap=1.2, lr=1e-8)
-    m = learner.train_step(_batch(trees))
+    m = learner.train_step(*_batch(trees)).metrics
     assert m["loss/rollout_is_mean"] == pytest.approx(1.2, rel=1e-4)
     assert m["loss/rollout_is_max"] == pytest.approx(1.2, rel=1e-4)
     assert m["loss/rollout_is_capped_fraction"] == pytest.approx(1.0)
     _configure(learner, rollout_is="token", rollout_is_cap=2.0, lr=1e-8)
-    m = learner.train_step(_batch(trees))
+    m = learner.train_step(*_batch(trees)).metrics
     assert m["loss/rollout_is_mean"] == pytest.approx(1.3499, rel=1e-3) and m["loss/rollout_is_capped_fraction"] == 0.0
 
 
@@ -184,11 +185,12 @@ def _chain_batch():
     t.add_path(a, [Node(0, [5], [1], [0.0])], 1.0)
     t.add_path(a, [Node(0, [6, 7], [1, 1], [0.0, 0.0])], 0.0)
     p = pack([t])
-    return compute_advantages(p, [t], AdvantageConfig(name="tree")).apply(p)
+    return compute_advantages(p, [t], AdvantageConfig(name="tree")).loss_batch(p)
 
 
 def test_rollout_is_weights_token_and_sequence():
-    p = _chain_batch()
+    batch = _chain_batch()
+    p = batch.packed
     m = p.loss_mask
     d = torch.zeros(p.num_tokens)
     # shared node: log ratio 0.2 per token; leaf 1: +0.5; leaf 2: −0.1 per token
@@ -199,19 +201,19 @@ def test_rollout_is_weights_token_and_sequence():
     d = torch.where(m, d, 0.0)
     beh = torch.where(m, -1.0 - d, 0.0)
     old = torch.where(m, torch.full_like(d, -1.0), 0.0)
-    w, met = rollout_is_weights(old, beh, p, "token", cap=1.5)
+    w, met = rollout_is_weights(old, beh, batch, "token", cap=1.5)
     assert torch.allclose(w[m], torch.exp(d[m]).clamp(max=1.5))
     assert bool((w[~m] == 1).all())
-    w, met = rollout_is_weights(old, beh, p, "sequence", cap=10.0)
+    w, met = rollout_is_weights(old, beh, batch, "sequence", cap=10.0)
     w1, w2 = torch.exp(torch.tensor(0.4 + 0.5)), torch.exp(torch.tensor(0.4 - 0.2))  # Π over each path
     s1 = int(p.node_start[leaf1])
     assert w[s1].item() == pytest.approx(w1.item(), rel=1e-5)
     assert w[int(p.node_start[leaf2])].item() == pytest.approx(w2.item(), rel=1e-5)
     assert w[int(p.node_start[shared])].item() == pytest.approx(((w1 + w2) / 2).item(), rel=1e-5)
-    w, met = rollout_is_weights(old, beh, p, "sequence", cap=2.0)
+    w, met = rollout_is_weights(old, beh, batch, "sequence", cap=2.0)
     assert w[s1].item() == pytest.approx(2.0) and met["rollout_is_max"].item() == pytest.approx(2.0)
     # the weights multiply each token's surrogate
     lp = old.clone()
-    base = compute_loss(lp, p, LossConfig(), old_logprobs=old).loss
-    twice = compute_loss(lp, p, LossConfig(), old_logprobs=old, is_weights=torch.full_like(lp, 2.0)).loss
+    base = compute_loss(lp, batch, LossConfig(), old_logprobs=old).loss
+    twice = compute_loss(lp, batch, LossConfig(), old_logprobs=old, is_weights=torch.full_like(lp, 2.0)).loss
     assert torch.allclose(twice, 2 * base)

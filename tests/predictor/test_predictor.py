@@ -60,10 +60,10 @@ def test_small_model_learns_prompt_and_prefix_values():
     pred = build_predictor(cfg, hidden_size=0, vocab_size=8)
     train, test = pack(_trees(seed=1)), pack(_trees(seed=2))
     s_train, s_test = predictor_samples(train), predictor_samples(test)
-    before = pred.fit(test, s_test)["predictor/brier"]
+    before = pred.fit(test, s_test).metrics["predictor/brier"]
     for _ in range(60):
         pred.fit(train, s_train)
-    after = pred.fit(test, s_test)
+    after = pred.fit(test, s_test).metrics
     assert after["predictor/brier"] < 0.6 * before
     assert after["predictor/skill"] > 0.3  # beats the previous fit's constant on held-out trees
     v = pred.predict(test, s_test.node)
@@ -80,11 +80,11 @@ def test_value_head_reads_policy_hidden_states():
         PredictorConfig(backend="value_head", lr=0.1, updates_per_step=50), hidden_size=8, vocab_size=8
     )
     assert torch.equal(pred.predict(packed, s.node, hidden), torch.full((s.node.numel(),), 0.5))  # zero head
-    first = pred.fit(packed, s, hidden)
+    first = pred.fit(packed, s, hidden).metrics
     # Calibrated on the predictions made before the update: 0.5 everywhere.
     assert first["predictor/brier"] == pytest.approx(float(((0.5 - s.target) ** 2).mean()), abs=1e-7)
     assert abs(float(pred.predict(packed, s.node[:1], hidden)) - 0.5) > 1e-3  # it moved
-    second = pred.fit(packed, s, hidden)
+    second = pred.fit(packed, s, hidden).metrics
     assert second["predictor/brier"] < first["predictor/brier"]
 
 
@@ -119,7 +119,7 @@ def test_anchored_zero_head_is_the_constant_and_decay_weights_replay():
     pred.fit(packed, s, hidden)  # sets the anchor; no update
     v = pred.predict(packed, s.node, hidden)
     assert torch.allclose(v, torch.full_like(v, float(s.target.mean())), atol=1e-6)
-    assert pred.fit(packed, s, hidden)["predictor/skill"] == pytest.approx(0.0, abs=1e-6)
+    assert pred.fit(packed, s, hidden).metrics["predictor/skill"] == pytest.approx(0.0, abs=1e-6)
 
     old, new = _six_prompts(1.0, 1), _six_prompts(0.0, 1)  # same features, opposite targets: the weights decide
     means = {}
@@ -156,7 +156,7 @@ def _dp_fits(packed, hidden, trees, group=None, config="head"):
         samples, hidden, packed = samples.share(packed, trees), hidden[packed.tree_tokens(trees)], packed.select(trees)
     metrics, replay = [], []
     for _ in range(3):
-        out = pred.fit(packed, samples, hidden, replay=replay, group=group)
+        out = pred.fit(packed, samples, hidden, replay=replay, group=group).metrics
         metrics.append({k: v for k, v in out.items() if not k.startswith("_")})
         replay = [(packed, samples, hidden)]
     return torch.cat([p.detach().flatten() for p in pred.parameters()]), metrics
@@ -303,13 +303,13 @@ def test_root_skill_is_the_roots_held_out_brier_against_their_previous_mean():
     pred = build_predictor(
         PredictorConfig(lr=0.1, updates_per_step=50, root_head=True, anchor_at_mean=True), hidden_size=8, vocab_size=8
     )
-    first = pred.fit(packed, s, hidden)
+    first = pred.fit(packed, s, hidden).metrics
     assert first["predictor/root_skill"] != first["predictor/root_skill"]  # no previous mean yet
     assert first["predictor/root_samples"] == int(s.is_root.sum()) == 24
     prior = float(pred.prior_root_mean)
     before = pred.predict(packed, s.node, hidden)[s.is_root]
     target = s.target[s.is_root]
-    second = pred.fit(packed, s, hidden)
+    second = pred.fit(packed, s, hidden).metrics
     brier, constant = float(((before - target) ** 2).mean()), float(((prior - target) ** 2).mean())
     assert second["predictor/root_brier"] == pytest.approx(brier, rel=1e-5)
     assert second["predictor/root_brier_constant"] == pytest.approx(constant, rel=1e-5)

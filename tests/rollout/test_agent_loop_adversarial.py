@@ -26,8 +26,8 @@ from transformers import PreTrainedTokenizerFast
 
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, Task
-from trace_mega.envs.react import MAX_ARG_DEPTH
 from trace_mega.rollout.agent_loop import AgentLoop
+from trace_mega.rollout.react import MAX_ARG_DEPTH
 from trace_mega.rollout.tree import RolloutTree
 
 CAP = 4

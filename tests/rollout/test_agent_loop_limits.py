@@ -9,9 +9,9 @@ from scripted_engine import ScriptedEngine
 
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, Task
-from trace_mega.envs.react import MAX_ARG_DEPTH
 from trace_mega.envs.tokenizer import build_tiny_tokenizer
 from trace_mega.rollout.agent_loop import AgentLoop
+from trace_mega.rollout.react import MAX_ARG_DEPTH
 from trace_mega.rollout.tree import load_jsonl, save_jsonl
 
 TOOLS = [

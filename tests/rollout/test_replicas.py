@@ -92,10 +92,10 @@ def _worker(rank: int, port: int, counts: list[int], fail_rank: int, out: dict) 
         col = RolloutCollector(env, engine, env.tokenizer, CFG, tool_timeout_s=5.0, layout=ReplicaLayout.from_world())
         tasks = env.tasks()[: len(counts)]
         batch = StepBatch.from_prompts(0, tasks, col.prompt_ids(tasks))
-        batch.rollouts = torch.tensor(counts)
         col.begin_step(0)
         try:
-            col.roll_out(batch, seed=3)
+            grown = col.roll_out(tasks, batch.trees, counts, seed=3)
+            batch.grow(grown, keep=[i for i, m in enumerate(counts) if m > 0])
             out[rank] = {
                 "trees": _trees_as_dicts(batch.trees),
                 "owner": col.tree_replica,
@@ -163,11 +163,10 @@ def _hang_worker(rank: int, port: int, out: dict) -> None:
     col = RolloutCollector(env, engine, env.tokenizer, CFG, tool_timeout_s=5.0, layout=ReplicaLayout.from_world())
     tasks = env.tasks()[:2]
     batch = StepBatch.from_prompts(0, tasks, col.prompt_ids(tasks))
-    batch.rollouts = torch.tensor([2, 2])
     col.begin_step(0)
     start = time.monotonic()
     try:
-        col.roll_out(batch, seed=3)
+        col.roll_out(tasks, batch.trees, [2, 2], seed=3)
         out[rank] = "returned"
     except Exception as exc:  # noqa: BLE001
         out[rank] = f"{type(exc).__name__} after {time.monotonic() - start:.0f} s: {exc}"

@@ -220,7 +220,7 @@ def test_prefix_cache_lru_bound_and_subsumption():
 
 
 def test_bench_prefix_reuse_quick_runs_and_reuse_is_exact():
-    from trace_mega.cli import load_benchmark
+    from trace_mega.commands.cli import load_benchmark
 
     res = load_benchmark("prefix_reuse").main(["--quick", "--json", "", "--engines", "torch"])
     with_r, without = res["rows"]

@@ -314,8 +314,7 @@ def test_select_equals_the_pack_of_the_subset(seed, num_trees):
     sub = pack([trees[i] for i in keep])
     assert_same_layout(p.select(keep), sub)
     assert torch.equal(p.tokens[p.tree_tokens(keep)], sub.tokens)
-    p.advantages = torch.arange(p.num_tokens, dtype=torch.float32)  # per-token fields travel along
-    assert torch.equal(p.select(keep).advantages, p.advantages[p.tree_tokens(keep)])
+    assert torch.equal(p.behaviour_logprobs[p.tree_tokens(keep)], sub.behaviour_logprobs)
 
 
 def realistic_tree(

@@ -439,5 +439,5 @@ class TraceGlobalAllocator(TraceAllocator):
 
 
 def build_allocator(cfg: AllocationConfig, **kwargs) -> Allocator:
-    """The allocator named `cfg.name` (KeyError listing the valid names otherwise); kwargs go to `Allocator`."""
-    return ALLOCATORS.get(cfg.name)(cfg, **kwargs)
+    """The allocator named `cfg.name` (a ConfigError listing the valid names otherwise); kwargs go to `Allocator`."""
+    return ALLOCATORS.check(cfg.name, "allocation.name")(cfg, **kwargs)

@@ -130,10 +130,3 @@ class Env(ABC):
 
 
 ENVS: Registry[type[Env]] = Registry("environment")
-
-
-def build_env(name: str, **options: Any) -> Env:
-    """Instantiate the environment registered as `name` with its options."""
-    import trace_mega.envs  # noqa: F401  (registers the built-in environments)
-
-    return ENVS.get(name)(**options)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
+from trace_mega.envs.records import check_on_bad_row, load_rows
 
 CATEGORIES = ("base", "long_context", "miss_func", "miss_param")
 ADDITIONAL_FUNCTION_PROMPT = "{functions}\nI have updated some more functions you can choose from. What about now?"
@@ -74,21 +75,57 @@ def bfcl_data_dir() -> Path:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """The rows of a BFCL data file (JSON Lines; `DataError` naming the line of a bad one)."""
+    return load_rows(path, lambda n, row: row)
 
 
-def load_category(category: str, data_dir: Optional[Path] = None) -> list[dict]:
-    """Entries of `BFCL_v4_multi_turn_<category>.json`, each with its `ground_truth`."""
+def _entry_id(row: dict) -> str:
+    """The row's `id`, of BFCL's form `<category>_<index>` (the train / heldout split reads the index)."""
+    value = row["id"]
+    if not isinstance(value, str) or not value.rpartition("_")[2].isdigit():
+        raise ValueError(f"field 'id' must be a string ending in _<number>, got {value!r:.60}")
+    return value
+
+
+def _check_entry(row: dict, ground_truth: dict[str, list], answer_file: Path) -> dict:
+    """A question row with the fields the episodes read, its `ground_truth` added."""
+    entry_id = _entry_id(row)
+    turns = row["question"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, list) for t in turns):
+        raise ValueError("field 'question' must be a non-empty list of turns (lists of messages)")
+    if not all(isinstance(m, dict) and "role" in m and "content" in m for t in turns for m in t):
+        raise ValueError("field 'question' must hold messages with 'role' and 'content'")
+    classes = row["involved_classes"]
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise ValueError("field 'involved_classes' must be a list of class names")
+    if not isinstance(row["initial_config"], dict):
+        raise ValueError("field 'initial_config' must be an object")
+    if entry_id not in ground_truth:
+        raise ValueError(f"no ground truth with id {entry_id!r} in {answer_file}")
+    return {**row, "ground_truth": ground_truth[entry_id]}
+
+
+def _answer(row: dict) -> tuple[str, list]:
+    turns = row["ground_truth"]
+    if not isinstance(turns, list) or not all(isinstance(t, list) for t in turns):
+        raise ValueError("field 'ground_truth' must be a list of turns (lists of call strings)")
+    return _entry_id(row), turns
+
+
+def load_category(category: str, data_dir: Optional[Path] = None, on_bad_row: str = "error") -> list[dict]:
+    """Entries of `BFCL_v4_multi_turn_<category>.json`, each with its `ground_truth`.
+
+    A malformed question or answer row raises `DataError` naming its file, line and field
+    (`BFCL_v4_multi_turn_base.json:5: missing field 'question'`), or is left out
+    (`on_bad_row="skip"`; a question whose answer was left out goes too).
+    """
     if category not in CATEGORIES:
         raise ValueError(f"unknown BFCL multi-turn category {category!r}; valid: {CATEGORIES}")
     root = Path(data_dir) if data_dir is not None else bfcl_data_dir()
     name = f"BFCL_v4_multi_turn_{category}.json"
-    questions = _read_jsonl(root / name)
-    answers = {a["id"]: a["ground_truth"] for a in _read_jsonl(root / "possible_answer" / name)}
-    for entry in questions:
-        entry["ground_truth"] = answers[entry["id"]]
-    return questions
+    answer_file = root / "possible_answer" / name
+    answers = dict(load_rows(answer_file, lambda n, row: _answer(row), on_bad_row))
+    return load_rows(root / name, lambda n, row: _check_entry(row, answers, answer_file), on_bad_row)
 
 
 @lru_cache(maxsize=None)
@@ -236,6 +273,8 @@ class BFCLMultiTurnEnv(Env):
     Splits: "test" (or "all") is every entry of the chosen categories (the
     official evaluation set); "train" / "heldout" partition it 80/20 by entry
     index (index % 5 == 0 is held out) for RL runs that keep a held-out part.
+    `on_bad_row`: "error" (a malformed data row raises `DataError` naming its file, line and
+    field) or "skip" (bad rows are left out, one warning per file).
     """
 
     name = "bfcl_multi_turn"
@@ -246,7 +285,10 @@ class BFCLMultiTurnEnv(Env):
         call_timeout_s: Optional[float] = 5.0,
         data_dir: Optional[str] = None,
         max_tasks_per_category: Optional[int] = None,
+        on_bad_row: str = "error",
     ) -> None:
+        check_on_bad_row(on_bad_row)
+        self.on_bad_row = on_bad_row
         self.categories = tuple(categories)
         self.call_timeout_s = call_timeout_s
         self.data_dir = Path(data_dir) if data_dir else None
@@ -270,7 +312,7 @@ class BFCLMultiTurnEnv(Env):
         if self._tasks is None:
             self._tasks = []
             for category in self.categories:
-                entries = load_category(category, self.data_dir)
+                entries = load_category(category, self.data_dir, self.on_bad_row)
                 if self.max_tasks_per_category is not None:
                     entries = entries[: self.max_tasks_per_category]
                 self._tasks += [self._build_task(e, category) for e in entries]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
-from trace_mega.envs.records import as_paths, read_records
+from trace_mega.envs.records import as_paths, check_on_bad_row, load_rows
 from trace_mega.envs.sandbox import Sandbox, SandboxLimits
 from trace_mega.envs.sandbox_jail import DEFAULT_UID_BASE
 
@@ -101,7 +101,7 @@ def _answer_text(row: dict[str, Any]) -> Optional[str]:
         value = row["reward_model"].get("ground_truth")
     if isinstance(value, list):  # OlympiadBench: one string per sub-answer
         value = ", ".join(str(v) for v in value)
-    if value is None and "solution" in row:
+    if value is None and isinstance(row.get("solution"), str):
         value = last_boxed(row["solution"])
     if value is None:
         return None
@@ -111,23 +111,23 @@ def _answer_text(row: dict[str, Any]) -> Optional[str]:
     return text
 
 
-def load_math(path: str | Path, source: Optional[str] = None) -> list[Task]:
+def load_math(path: str | Path, source: Optional[str] = None, on_bad_row: str = "error") -> list[Task]:
     """Tasks of a math file (JSONL / JSON / Parquet; layout detected per row, see the field lists).
 
     `meta["source"]` (the benchmark in evaluation reports) is `source`, else the row's
-    `data_source` / `source` field, else the file name without its suffix.
+    `data_source` / `source` field, else the file name without its suffix. A row without a
+    problem or an answer raises `DataError` naming its place (`data/aime.jsonl:17: ...`), or is
+    skipped (`on_bad_row="skip"`, one warning per file; `records.load_rows`).
     """
     path = Path(path)
-    tasks = []
-    for n, row in enumerate(read_records(path)):
+
+    def make(n: int, row: dict[str, Any]) -> Task:
         problem = next((t for t in (_problem_text(row.get(k)) for k in PROBLEM_FIELDS) if t), None)
         if problem is None:
-            raise ValueError(f"{path}:{n + 1}: a math row needs one of the fields {', '.join(PROBLEM_FIELDS)}")
+            raise ValueError(f"a math row needs one of the fields {', '.join(PROBLEM_FIELDS)} (a non-empty problem)")
         answer = _answer_text(row)
-        if answer is None:
-            raise ValueError(
-                f"{path}:{n + 1}: no answer field ({', '.join(ANSWER_FIELDS)}) and no \\boxed{{}} in 'solution'"
-            )
+        if not answer:
+            raise ValueError(f"no answer field ({', '.join(ANSWER_FIELDS)}) and no \\boxed{{}} in 'solution'")
         meta = {k: row[k] for k in ("level", "type", "subject", "unique_id") if k in row}
         meta["source"] = str(source or row.get("data_source") or row.get("source") or path.stem)
         key = next((k for k in ID_FIELDS if row.get(k) is not None), None)
@@ -135,16 +135,15 @@ def load_math(path: str | Path, source: Optional[str] = None) -> list[Task]:
             task_id = str(row[key])
         else:
             task_id = f"{path.stem}-{row[key] if key else n}"
-        tasks.append(
-            Task(
-                task_id=task_id,
-                messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}],
-                tools=[PYTHON_TOOL],
-                gold_answer=answer,
-                meta=meta,
-            )
+        return Task(
+            task_id=task_id,
+            messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}],
+            tools=[PYTHON_TOOL],
+            gold_answer=answer,
+            meta=meta,
         )
-    return tasks
+
+    return load_rows(path, make, on_bad_row)
 
 
 def math_reward(gold: str, final_answer: Optional[str]) -> float:
@@ -178,6 +177,8 @@ class MathPythonEnv(Env):
     `train_path` / `test_path`: a file or a list of files (one per benchmark); both default
     to the ten shipped problems.
     `isolation` ("bwrap" | "weak") and `uid_base` are the sandbox's (`Sandbox`).
+    `on_bad_row`: "error" (a malformed problem row raises `DataError` naming its file, line or
+    row, and field) or "skip" (bad rows are left out, one warning per file).
     """
 
     name = "math_python"
@@ -190,7 +191,10 @@ class MathPythonEnv(Env):
         max_workers: int = 4,
         isolation: str = "bwrap",
         uid_base: int = DEFAULT_UID_BASE,
+        on_bad_row: str = "error",
     ) -> None:
+        check_on_bad_row(on_bad_row)
+        self.on_bad_row = on_bad_row
         self.paths = {"train": as_paths(train_path or SHIPPED), "test": as_paths(test_path or SHIPPED)}
         if isinstance(limits, dict):  # from a YAML config's env.options
             limits = SandboxLimits(**limits)
@@ -199,7 +203,7 @@ class MathPythonEnv(Env):
     def tasks(self, split: str = "train") -> list[Task]:
         if split not in self.paths:
             raise ValueError(f"unknown split {split!r}; valid: {sorted(self.paths)}")
-        return [t for path in self.paths[split] for t in load_math(path)]
+        return [t for path in self.paths[split] for t in load_math(path, on_bad_row=self.on_bad_row)]
 
     def step(self, state: EpisodeState, call: ToolCall) -> str:
         state.history.append(call)

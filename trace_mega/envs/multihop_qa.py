@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
-from trace_mega.envs.records import as_paths, read_records
+from trace_mega.envs.records import DataError, as_paths, check_on_bad_row, load_rows, read_rows, row_error
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "multihop"
 SYSTEM_PROMPT = (
@@ -99,17 +99,19 @@ class Passage:
     text: str
 
 
-def load_corpus(path: str | Path) -> list[Passage]:
-    """Passages from JSONL with `id`/`title`/`text`, or FlashRAG's `id`/`contents` ("Title"\\ntext)."""
-    passages = []
-    for n, row in enumerate(read_records(path)):
-        if "contents" in row:
-            title, _, text = row["contents"].partition("\n")
-            title = title.strip().strip('"')
-        else:
-            title, text = row.get("title", ""), row["text"]
-        passages.append(Passage(str(row.get("id", n)), title, text))
-    return passages
+def _passage(n: int, row: dict[str, Any]) -> Passage:
+    if "contents" in row:
+        title, _, text = _text(row, "contents").partition("\n")
+        title = title.strip().strip('"')
+    else:
+        title, text = str(row.get("title") or ""), _text(row, "text")
+    return Passage(str(row.get("id", n)), title, text)
+
+
+def load_corpus(path: str | Path, on_bad_row: str = "error") -> list[Passage]:
+    """Passages from JSONL with `id`/`title`/`text`, or FlashRAG's `id`/`contents` ("Title"\\ntext).
+    A bad row raises `DataError` naming its place, or is skipped (`on_bad_row`, `records.load_rows`)."""
+    return load_rows(path, _passage, on_bad_row)
 
 
 class BM25Retriever:
@@ -195,10 +197,28 @@ class DenseRetriever:
 
 
 # ---- dataset loaders ----------------------------------------------------------
-def _task(task_id: str, question: str, answers: Sequence[str], dataset: str, **meta: Any) -> Task:
-    answers = [str(a) for a in answers if str(a).strip()]
+def _text(row: dict[str, Any], key: str) -> str:
+    """The row's string field `key` (KeyError when missing, ValueError when not a non-empty string)."""
+    value = row[key]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"field {key!r} must be a non-empty string, got {value!r:.60}")
+    return value
+
+
+def _list(row: dict[str, Any], key: str) -> list:
+    """The row's list field `key`, [] when absent (ValueError when it is something else)."""
+    value = row.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):  # Parquet list columns may come back as tuples
+        raise ValueError(f"field {key!r} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _task(task_id: str, question: str, answers: Sequence[Any], dataset: str, answer_field: str, **meta: Any) -> Task:
+    answers = [str(a) for a in answers if a is not None and str(a).strip()]
     if not answers:
-        raise ValueError(f"{dataset} question {task_id!r} has no answer")
+        raise ValueError(f"no answer: field {answer_field!r} is empty")
     return Task(
         task_id=str(task_id),
         messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
@@ -207,89 +227,115 @@ def _task(task_id: str, question: str, answers: Sequence[str], dataset: str, **m
     )
 
 
-def _context_passages(context: list) -> list[dict]:
+def _context_passages(row: dict[str, Any]) -> list[dict]:
     """HotpotQA / 2Wiki `context` ([title, [sentences]]) as passage dicts."""
-    return [{"title": title, "text": " ".join(s.strip() for s in sents)} for title, sents in context]
+    try:
+        return [
+            {"title": str(title), "text": " ".join(s.strip() for s in sents)} for title, sents in _list(row, "context")
+        ]
+    except (TypeError, ValueError, AttributeError):
+        raise ValueError("field 'context' must be a list of [title, [sentences]] pairs") from None
 
 
-def load_hotpotqa(path: str | Path) -> list[Task]:
+def _supporting_titles(row: dict[str, Any]) -> list[str]:
+    try:
+        return sorted({str(t) for t, _ in _list(row, "supporting_facts")})
+    except (TypeError, ValueError):
+        raise ValueError("field 'supporting_facts' must be a list of [title, sentence index] pairs") from None
+
+
+# Each loader reads its file with `records.load_rows`: a bad row raises `DataError` naming its
+# place and field (`data/hotpot.json row 3: missing field 'answer'`), or is skipped and counted
+# (`on_bad_row="skip"`).
+def load_hotpotqa(path: str | Path, on_bad_row: str = "error") -> list[Task]:
     """HotpotQA: `_id`, `question`, `answer`, `type`, `level`, `supporting_facts`, `context`."""
-    return [
-        _task(
+
+    def make(n: int, r: dict[str, Any]) -> Task:
+        return _task(
             r.get("_id", n),
-            r["question"],
+            _text(r, "question"),
             [r["answer"]],
             "hotpotqa",
+            "answer",
             type=r.get("type"),
             level=r.get("level"),
-            supporting_titles=sorted({t for t, _ in r.get("supporting_facts", [])}),
-            context=_context_passages(r.get("context", [])),
+            supporting_titles=_supporting_titles(r),
+            context=_context_passages(r),
         )
-        for n, r in enumerate(read_records(path))
-    ]
+
+    return load_rows(path, make, on_bad_row)
 
 
-def load_2wikimultihopqa(path: str | Path) -> list[Task]:
+def load_2wikimultihopqa(path: str | Path, on_bad_row: str = "error") -> list[Task]:
     """2WikiMultiHopQA: the HotpotQA layout plus `evidences` ([subject, relation, object])."""
-    return [
-        _task(
+
+    def make(n: int, r: dict[str, Any]) -> Task:
+        return _task(
             r.get("_id", n),
-            r["question"],
+            _text(r, "question"),
             [r["answer"]],
             "2wikimultihopqa",
+            "answer",
             type=r.get("type"),
-            supporting_titles=sorted({t for t, _ in r.get("supporting_facts", [])}),
-            evidences=r.get("evidences", []),
-            context=_context_passages(r.get("context", [])),
+            supporting_titles=_supporting_titles(r),
+            evidences=_list(r, "evidences"),
+            context=_context_passages(r),
         )
-        for n, r in enumerate(read_records(path))
-    ]
+
+    return load_rows(path, make, on_bad_row)
 
 
-def load_musique(path: str | Path) -> list[Task]:
+def load_musique(path: str | Path, on_bad_row: str = "error") -> list[Task]:
     """MuSiQue JSONL: `id`, `question`, `answer`, `answer_aliases`, `answerable`, `paragraphs`."""
-    tasks = []
-    for n, r in enumerate(read_records(path)):
-        paragraphs = r.get("paragraphs", [])
-        tasks.append(
-            _task(
-                r.get("id", n),
-                r["question"],
-                [r["answer"], *r.get("answer_aliases", [])],
-                "musique",
-                answerable=r.get("answerable", True),
-                supporting_titles=sorted({p["title"] for p in paragraphs if p.get("is_supporting")}),
-                context=[{"title": p["title"], "text": p["paragraph_text"]} for p in paragraphs],
-            )
+
+    def make(n: int, r: dict[str, Any]) -> Task:
+        paragraphs = _list(r, "paragraphs")
+        try:
+            context = [{"title": p["title"], "text": p["paragraph_text"]} for p in paragraphs]
+        except (KeyError, TypeError):
+            raise ValueError("field 'paragraphs' must hold objects with 'title' and 'paragraph_text'") from None
+        return _task(
+            r.get("id", n),
+            _text(r, "question"),
+            [r["answer"], *_list(r, "answer_aliases")],
+            "musique",
+            "answer",
+            answerable=r.get("answerable", True),
+            supporting_titles=sorted({p["title"] for p in paragraphs if p.get("is_supporting")}),
+            context=context,
         )
-    return tasks
+
+    return load_rows(path, make, on_bad_row)
 
 
-def load_bamboogle(path: str | Path) -> list[Task]:
+def load_bamboogle(path: str | Path, on_bad_row: str = "error") -> list[Task]:
     """Bamboogle: `Question`, `Answer`."""
-    return [
-        _task(f"bamboogle-{n}", r["Question"], [r["Answer"]], "bamboogle") for n, r in enumerate(read_records(path))
-    ]
+
+    def make(n: int, r: dict[str, Any]) -> Task:
+        return _task(f"bamboogle-{n}", _text(r, "Question"), [r["Answer"]], "bamboogle", "Answer")
+
+    return load_rows(path, make, on_bad_row)
 
 
-def load_flashrag(path: str | Path) -> list[Task]:
+def load_flashrag(path: str | Path, on_bad_row: str = "error") -> list[Task]:
     """FlashRAG / Search-R1 layout: `id`, `question`, `golden_answers`; also the shipped
     layout (`question`, `answer`, optional `answer_aliases`, `type`, `supporting_titles`).
     The dataset is the row's `dataset` / `data_source`, else the file name (FlashRAG ships
     one file per benchmark: `nq.jsonl`, `hotpotqa.jsonl`, ...)."""
-    tasks = []
-    for n, r in enumerate(read_records(path)):
+
+    def make(n: int, r: dict[str, Any]) -> Task:
         if "golden_answers" in r:
-            answers = r["golden_answers"]
+            answers, field = _list(r, "golden_answers"), "golden_answers"
         else:
-            answers = [r["answer"], *r.get("answer_aliases", [])]
+            answers, field = [r["answer"], *_list(r, "answer_aliases")], "answer"
         extra = {k: r[k] for k in ("type", "supporting_titles") if k in r}
         dataset = r.get("dataset") or r.get("data_source") or Path(path).stem
-        tasks.append(_task(r.get("id", n), r["question"], answers, str(dataset), **extra))
-    return tasks
+        return _task(r.get("id", n), _text(r, "question"), answers, str(dataset), field, **extra)
+
+    return load_rows(path, make, on_bad_row)
 
 
-LOADERS: dict[str, Callable[[str | Path], list[Task]]] = {
+LOADERS: dict[str, Callable[..., list[Task]]] = {
     "hotpotqa": load_hotpotqa,
     "2wikimultihopqa": load_2wikimultihopqa,
     "musique": load_musique,
@@ -313,17 +359,30 @@ def detect_format(row: dict) -> str:
     raise ValueError(f"unrecognised multi-hop QA row with fields {sorted(row)}")
 
 
-def load_qa(path: str | Path, fmt: str = "auto") -> list[Task]:
+def load_qa(path: str | Path, fmt: str = "auto", on_bad_row: str = "error") -> list[Task]:
     """Tasks of a QA file (JSON / JSONL / Parquet); `fmt` is a `LOADERS` name or "auto" (from
-    the first row's fields)."""
+    the first row's fields; with `on_bad_row="skip"`, the first row whose layout is known).
+    A bad row raises `DataError` naming its place and field, or is skipped (`on_bad_row`)."""
+    check_on_bad_row(on_bad_row)
     if fmt == "auto":
-        rows = read_records(path)
-        if not rows:
+        records = read_rows(path)
+        if not records:
             return []
-        fmt = detect_format(rows[0])
+        fmt = None
+        for rec in records:
+            try:
+                if rec.error is not None:
+                    raise DataError(rec.error)
+                fmt = detect_format(rec.row)
+                break
+            except ValueError as err:
+                if on_bad_row == "error":
+                    raise row_error(rec.place, err) from None
+        # No row of a known layout: every row is bad, and the loader skips and counts them all.
+        fmt = fmt or "flashrag"
     if fmt not in LOADERS:
         raise ValueError(f"unknown QA format {fmt!r}; valid: auto, {', '.join(LOADERS)}")
-    return LOADERS[fmt](path)
+    return LOADERS[fmt](path, on_bad_row)
 
 
 def corpus_from_tasks(tasks: Sequence[Task]) -> list[Passage]:
@@ -344,6 +403,8 @@ class MultiHopQAEnv(Env):
     may list several files (one per benchmark), each loaded with `fmt`. `corpus_path`:
     a JSONL corpus; `corpus="context"` builds it from the loaded tasks' own
     context paragraphs instead. `metric`: "em" (binary reward) or "f1".
+    `on_bad_row`: "error" (a malformed question or corpus row raises `DataError` naming its
+    file, line or row, and field) or "skip" (bad rows are left out, one warning per file).
     """
 
     name = "multihop_qa"
@@ -361,7 +422,9 @@ class MultiHopQAEnv(Env):
         max_k: int = 10,
         passage_chars: int = 600,
         metric: str = "em",
+        on_bad_row: str = "error",
     ) -> None:
+        check_on_bad_row(on_bad_row)
         if metric not in ("em", "f1"):
             raise ValueError(f"metric must be 'em' or 'f1', not {metric!r}")
         if retriever not in ("bm25", "e5"):
@@ -370,7 +433,7 @@ class MultiHopQAEnv(Env):
             raise ValueError(f"corpus must be 'file' or 'context', not {corpus!r}")
         shipped = str(DATA / "questions.jsonl")
         self.paths = {"train": as_paths(train_path or shipped), "test": as_paths(test_path or shipped)}
-        self.fmt, self.corpus, self.retriever_name = fmt, corpus, retriever
+        self.fmt, self.corpus, self.retriever_name, self.on_bad_row = fmt, corpus, retriever, on_bad_row
         self.corpus_path = corpus_path or str(DATA / "corpus.jsonl")
         self.dense_model = dense_model
         self.top_k, self.max_k, self.passage_chars, self.metric = top_k, max_k, passage_chars, metric
@@ -382,7 +445,7 @@ class MultiHopQAEnv(Env):
         if split not in self.paths:
             raise ValueError(f"unknown split {split!r}; valid: {sorted(self.paths)}")
         if split not in self._tasks:
-            tasks = [t for path in self.paths[split] for t in load_qa(path, self.fmt)]
+            tasks = [t for path in self.paths[split] for t in load_qa(path, self.fmt, self.on_bad_row)]
             for t in tasks:
                 t.tools = [search_tool(self.max_k)]
             self._tasks[split] = tasks
@@ -396,7 +459,7 @@ class MultiHopQAEnv(Env):
                 if self.corpus == "context":
                     passages = corpus_from_tasks([t for s in self.paths for t in self.tasks(s)])
                 else:
-                    passages = load_corpus(self.corpus_path)
+                    passages = load_corpus(self.corpus_path, self.on_bad_row)
                 if self.retriever_name == "e5":
                     self._retriever = DenseRetriever(passages, self.dense_model)
                 else:

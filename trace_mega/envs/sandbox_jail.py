@@ -14,10 +14,11 @@ places only root can traverse (e.g. a pyenv under /root), and so that the
 code runs under a real host uid, where RLIMIT_NPROC is enforced. Each
 concurrent call takes its own uid from `UID_COUNT` uids starting at the
 configured base, leased machine-wide with `flock` (so two calls, even of two
-trainers, never share a process budget). The mount namespace holds: /usr, the
-interpreter's prefixes and `sys.path` directories, and /etc/ld.so.cache, all
-read-only; fresh /proc and /dev; a size-capped private tmpfs at /tmp, which is
-the working directory. Nothing else of the host filesystem is visible. A
+trainers, never share a process budget). The mount namespace holds: fresh /proc and /dev;
+a size-capped private tmpfs at /tmp, which is the working directory; and, bound
+read-only on top of those (so an interpreter or venv under /tmp still works),
+/usr, the interpreter's prefixes and `sys.path` directories, and
+/etc/ld.so.cache. Nothing else of the host filesystem is visible. A
 seccomp filter (libseccomp through `pyseccomp`) refuses new user namespaces
 (`unshare`/`clone` with CLONE_NEWUSER; `clone3` reports ENOSYS so libc falls
 back to `clone`) and a few kernel interfaces a Python cell has no use for.
@@ -102,26 +103,15 @@ def interpreter_paths(python: str) -> tuple[str, ...]:
     return tuple(kept)
 
 
+# Mounted fresh in every jail. They go first, so that an interpreter living below one of them
+# (a checkout or venv under /tmp, a pyenv under /dev/shm) is bound on top of the private mount
+# instead of being hidden by it.
+PRIVATE_MOUNTS = ("/proc", "/dev", "/tmp")
+
+
 def _mount_args(python: str, disk_bytes: int) -> list[str]:
-    """bwrap's filesystem: read-only system and interpreter, private /proc, /dev and /tmp."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        path = "/" + name
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    made = {"/usr"}
-    # Mount points bwrap creates itself are mode 0700 when it runs as root: make them traversable.
-    for path in ("/etc/ld.so.cache", *interpreter_paths(python)):
-        parts = path.strip("/").split("/")
-        for i in range(1, len(parts)):
-            parent = "/" + "/".join(parts[:i])
-            if parent not in made:
-                made.add(parent)
-                args += ["--perms", "0755", "--dir", parent]
-        args += ["--ro-bind-try" if path.startswith("/etc/") else "--ro-bind", path, path]
-    args += [
+    """bwrap's filesystem: private /proc, /dev and /tmp, then read-only system and interpreter on top."""
+    args = [
         "--proc",
         "/proc",
         "--dev",
@@ -132,10 +122,33 @@ def _mount_args(python: str, disk_bytes: int) -> list[str]:
         str(disk_bytes),
         "--tmpfs",
         "/tmp",
-        "--chdir",
-        "/tmp",
+        "--ro-bind",
+        "/usr",
+        "/usr",
     ]
-    return args
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = "/" + name
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    made = {"/usr", *PRIVATE_MOUNTS}
+    # Mount points bwrap creates itself are mode 0700 when it runs as root: make them traversable.
+    for path in ("/etc/ld.so.cache", *interpreter_paths(python)):
+        hidden = [m for m in PRIVATE_MOUNTS if path == m or m.startswith(path.rstrip("/") + "/")]
+        if hidden:  # binding it would replace the private mount with the host's directory
+            raise RuntimeError(
+                f"the interpreter {python} needs {path}, which is or holds {hidden[0]}, a directory the jail "
+                "mounts privately; install the interpreter (or venv) in a directory of its own"
+            )
+        parts = path.strip("/").split("/")
+        for i in range(1, len(parts)):
+            parent = "/" + "/".join(parts[:i])
+            if parent not in made:
+                made.add(parent)
+                args += ["--perms", "0755", "--dir", parent]
+        args += ["--ro-bind-try" if path.startswith("/etc/") else "--ro-bind", path, path]
+    return args + ["--chdir", "/tmp"]
 
 
 @dataclass

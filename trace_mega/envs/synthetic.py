@@ -51,8 +51,8 @@ import random
 from typing import Any, Optional
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
-from trace_mega.envs.react import ReactScaffold
 from trace_mega.envs.tokenizer import build_tiny_tokenizer
+from trace_mega.rollout.react import ReactScaffold
 
 ANSWER_DONE = "<answer>done</answer>"
 WORDS = ["walk", "start", "goal", "at", "wall", "ice", "task", "bit", "empty", "reveal", "move", "left", "right"]

@@ -19,7 +19,7 @@ Every turn is labelled — ``useful`` when one of its executed lookups revealed 
 fact of the gold chain for the first time on its path, else not useful (other
 keys, repeats, malformed turns, answers). Labels are computed from the tree
 (`turn_labels`) with the chain kept in the task metadata: ground truth for
-credit accuracy (`trace_mega.learner.credit_metrics`), never rendered into the
+credit accuracy (`trace_mega.credit.metrics`), never rendered into the
 policy's context.
 
 The tiny word-level tokenizer of `trace_mega.envs.tokenizer` is used (one added
@@ -37,9 +37,9 @@ import random
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
-from trace_mega.envs.react import ReactScaffold
 from trace_mega.envs.synthetic import call_token
 from trace_mega.envs.tokenizer import build_tiny_tokenizer
+from trace_mega.rollout.react import ReactScaffold
 
 if TYPE_CHECKING:
     from trace_mega.rollout.tree import RolloutTree

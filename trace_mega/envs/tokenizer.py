@@ -3,7 +3,7 @@
 It is a real `transformers.PreTrainedTokenizerFast` (a `tokenizers` WordLevel
 model with a whitespace pre-tokenizer) with a ChatML-style chat template, so
 the synthetic environments go through exactly the same ReAct rendering and
-parsing path (`trace_mega.envs.react`) as a Qwen3 tokenizer does.
+parsing path (`trace_mega.rollout.react`) as a Qwen3 tokenizer does.
 
 The trick that makes a policy trained from scratch viable: every complete
 tool-call string (``<tool_call>{"name": …, "arguments": …}</tool_call>``) and

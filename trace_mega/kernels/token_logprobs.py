@@ -39,7 +39,6 @@ the same full (T,) outputs.
 Ignore index: every NEGATIVE target (-100 included) gets logprob = entropy = 0 and no
 gradient; others must lie in [0, V_global) (checked, one host sync, when tp_group=None).
 """
-
 from __future__ import annotations
 
 import torch
@@ -68,24 +67,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _fwd_stats_kernel(
-        H_ptr,
-        W_ptr,
-        TGT_ptr,
-        OUT_ptr,  # OUT: (4, T) fp32 = [max, sumexp, sum e*z, z_target]
-        T,
-        V,
-        HD,
-        stride_ht,
-        stride_hh,
-        stride_wv,
-        stride_wh,
+        H_ptr, W_ptr, TGT_ptr, OUT_ptr,  # OUT: (4, T) fp32 = [max, sumexp, sum e*z, z_target]
+        T, V, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh,
         inv_temp,
-        WITH_ENT: tl.constexpr,
-        UPCAST: tl.constexpr,
-        PREC: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -105,16 +92,10 @@ if HAS_TRITON:
             for h0 in range(0, HD, BLOCK_H):
                 offs_h = h0 + tl.arange(0, BLOCK_H)
                 mask_h = offs_h < HD
-                hb = tl.load(
-                    H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
-                    mask=mask_t[:, None] & mask_h[None, :],
-                    other=0.0,
-                )  # (BT, BH)
-                wb = tl.load(
-                    W_ptr + w_row[None, :] + offs_h[:, None] * stride_wh,
-                    mask=mask_h[:, None] & mask_v[None, :],
-                    other=0.0,
-                )  # (BH, BV)
+                hb = tl.load(H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
+                             mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BT, BH)
+                wb = tl.load(W_ptr + w_row[None, :] + offs_h[:, None] * stride_wh,
+                             mask=mask_h[:, None] & mask_v[None, :], other=0.0)  # (BH, BV)
                 if UPCAST:  # interpreter: bf16 is raw uint16 unless cast
                     hb = hb.to(tl.float32)
                     wb = wb.to(tl.float32)
@@ -138,29 +119,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _dz_tile(
-        H_ptr,
-        W_ptr,
-        TGT_ptr,
-        LSE_ptr,
-        MU_ptr,
-        GLP_ptr,
-        GENT_ptr,
-        offs_t,
-        offs_v,
-        mask_t,
-        mask_v,
-        HD,
-        stride_ht,
-        stride_hh,
-        stride_wv,
-        stride_wh,
-        inv_temp,
-        WITH_ENT: tl.constexpr,
-        UPCAST: tl.constexpr,
-        PREC: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr,
+        offs_t, offs_v, mask_t, mask_v, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh, inv_temp,
+        WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         """d loss / d raw-logit for one (BT, BV) tile, fp32, 0 outside the masks."""
         h_row = offs_t.to(tl.int64) * stride_ht
@@ -170,12 +133,10 @@ if HAS_TRITON:
         for h0 in range(0, HD, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < HD
-            hb = tl.load(
-                H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh, mask=mask_t[:, None] & mask_h[None, :], other=0.0
-            )
-            wb = tl.load(
-                W_ptr + w_row[None, :] + offs_h[:, None] * stride_wh, mask=mask_h[:, None] & mask_v[None, :], other=0.0
-            )
+            hb = tl.load(H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
+                         mask=mask_t[:, None] & mask_h[None, :], other=0.0)
+            wb = tl.load(W_ptr + w_row[None, :] + offs_h[:, None] * stride_wh,
+                         mask=mask_h[:, None] & mask_v[None, :], other=0.0)
             if UPCAST:
                 hb = hb.to(tl.float32)
                 wb = wb.to(tl.float32)
@@ -197,31 +158,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _bwd_kernel(
-        H_ptr,
-        W_ptr,
-        TGT_ptr,
-        LSE_ptr,
-        MU_ptr,
-        GLP_ptr,
-        GENT_ptr,
-        DH_ptr,
-        DW_ptr,
-        T,
-        V,
-        HD,
-        stride_ht,
-        stride_hh,
-        stride_wv,
-        stride_wh,
+        H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr, DH_ptr, DW_ptr,
+        T, V, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh,
         inv_temp,
-        WITH_ENT: tl.constexpr,
-        UPCAST: tl.constexpr,
-        PREC: tl.constexpr,
-        NEED_DH: tl.constexpr,
-        NEED_DW: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         """Atomic backward: dz tile -> dhidden += dz @ W_tile, dW += dz^T @ h_tile (fp32)."""
         pid_t = tl.program_id(0)
@@ -230,31 +173,10 @@ if HAS_TRITON:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_t = offs_t < T
         mask_v = offs_v < V
-        dz = _dz_tile(
-            H_ptr,
-            W_ptr,
-            TGT_ptr,
-            LSE_ptr,
-            MU_ptr,
-            GLP_ptr,
-            GENT_ptr,
-            offs_t,
-            offs_v,
-            mask_t,
-            mask_v,
-            HD,
-            stride_ht,
-            stride_hh,
-            stride_wv,
-            stride_wh,
-            inv_temp,
-            WITH_ENT,
-            UPCAST,
-            PREC,
-            BLOCK_T,
-            BLOCK_V,
-            BLOCK_H,
-        )
+        dz = _dz_tile(H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr,
+                      offs_t, offs_v, mask_t, mask_v, HD,
+                      stride_ht, stride_hh, stride_wv, stride_wh, inv_temp,
+                      WITH_ENT, UPCAST, PREC, BLOCK_T, BLOCK_V, BLOCK_H)
         if not UPCAST:
             dz_mm = dz.to(H_ptr.dtype.element_ty)  # tensor-core operand in the input dtype
         else:
@@ -265,59 +187,30 @@ if HAS_TRITON:
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < HD
             if NEED_DH:
-                wb = tl.load(
-                    W_ptr + w_row[:, None] + offs_h[None, :] * stride_wh,
-                    mask=mask_v[:, None] & mask_h[None, :],
-                    other=0.0,
-                )  # (BV, BH)
+                wb = tl.load(W_ptr + w_row[:, None] + offs_h[None, :] * stride_wh,
+                             mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BV, BH)
                 if UPCAST:
                     wb = wb.to(tl.float32)
                 dh = tl.dot(dz_mm, wb, input_precision=PREC)  # (BT, BH)
-                tl.atomic_add(
-                    DH_ptr + offs_t[:, None].to(tl.int64) * HD + offs_h[None, :],
-                    dh,
-                    mask=mask_t[:, None] & mask_h[None, :],
-                )
+                tl.atomic_add(DH_ptr + offs_t[:, None].to(tl.int64) * HD + offs_h[None, :], dh,
+                              mask=mask_t[:, None] & mask_h[None, :])
             if NEED_DW:
-                hb = tl.load(
-                    H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
-                    mask=mask_t[:, None] & mask_h[None, :],
-                    other=0.0,
-                )  # (BT, BH)
+                hb = tl.load(H_ptr + h_row[:, None] + offs_h[None, :] * stride_hh,
+                             mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BT, BH)
                 if UPCAST:
                     hb = hb.to(tl.float32)
                 dw = tl.dot(tl.trans(dz_mm), hb, input_precision=PREC)  # (BV, BH)
-                tl.atomic_add(
-                    DW_ptr + offs_v[:, None].to(tl.int64) * HD + offs_h[None, :],
-                    dw,
-                    mask=mask_v[:, None] & mask_h[None, :],
-                )
+                tl.atomic_add(DW_ptr + offs_v[:, None].to(tl.int64) * HD + offs_h[None, :], dw,
+                              mask=mask_v[:, None] & mask_h[None, :])
 
     @triton.jit
     def _dz_kernel(
-        H_ptr,
-        W_ptr,
-        TGT_ptr,
-        LSE_ptr,
-        MU_ptr,
-        GLP_ptr,
-        GENT_ptr,
-        DZ_ptr,
-        T,
-        V,
-        HD,
-        stride_ht,
-        stride_hh,
-        stride_wv,
-        stride_wh,
-        stride_dz,
+        H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr, DZ_ptr,
+        T, V, HD,
+        stride_ht, stride_hh, stride_wv, stride_wh, stride_dz,
         inv_temp,
-        WITH_ENT: tl.constexpr,
-        UPCAST: tl.constexpr,
-        PREC: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        WITH_ENT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         """Chunked backward, step 1: write the (T, V_chunk) dz of one vocab chunk."""
         pid_t = tl.program_id(0)
@@ -326,36 +219,12 @@ if HAS_TRITON:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         mask_t = offs_t < T
         mask_v = offs_v < V
-        dz = _dz_tile(
-            H_ptr,
-            W_ptr,
-            TGT_ptr,
-            LSE_ptr,
-            MU_ptr,
-            GLP_ptr,
-            GENT_ptr,
-            offs_t,
-            offs_v,
-            mask_t,
-            mask_v,
-            HD,
-            stride_ht,
-            stride_hh,
-            stride_wv,
-            stride_wh,
-            inv_temp,
-            WITH_ENT,
-            UPCAST,
-            PREC,
-            BLOCK_T,
-            BLOCK_V,
-            BLOCK_H,
-        )
-        tl.store(
-            DZ_ptr + offs_t[:, None].to(tl.int64) * stride_dz + offs_v[None, :],
-            dz.to(DZ_ptr.dtype.element_ty),
-            mask=mask_t[:, None] & mask_v[None, :],
-        )
+        dz = _dz_tile(H_ptr, W_ptr, TGT_ptr, LSE_ptr, MU_ptr, GLP_ptr, GENT_ptr,
+                      offs_t, offs_v, mask_t, mask_v, HD,
+                      stride_ht, stride_hh, stride_wv, stride_wh, inv_temp,
+                      WITH_ENT, UPCAST, PREC, BLOCK_T, BLOCK_V, BLOCK_H)
+        tl.store(DZ_ptr + offs_t[:, None].to(tl.int64) * stride_dz + offs_v[None, :],
+                 dz.to(DZ_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
 
 
 def _triton_cfg(dtype, backward):
@@ -387,20 +256,9 @@ def aot_compile_check(arch=90, dtypes=("bf16", "fp32")):
         for bwd, fn in ((False, _fwd_stats_kernel), (True, _bwd_kernel), (True, _dz_kernel)):
             bt, bv, bh, upcast, prec, nw = _triton_cfg(torch_dt[dt], bwd)
             # dz: the GEMM operand dtype
-            types = {
-                name: (
-                    f"*{dt}"
-                    if name in ("H_ptr", "W_ptr", "DZ_ptr")
-                    else "*i64"
-                    if name == "TGT_ptr"
-                    else "*fp32"
-                    if name.endswith("_ptr")
-                    else "fp32"
-                    if name == "inv_temp"
-                    else "i32"
-                )
-                for name in fn.arg_names
-            }
+            types = {name: (f"*{dt}" if name in ("H_ptr", "W_ptr", "DZ_ptr") else "*i64" if name == "TGT_ptr"
+                            else "*fp32" if name.endswith("_ptr") else "fp32" if name == "inv_temp" else "i32")
+                     for name in fn.arg_names}
             for ent in (True, False):
                 consts = dict(WITH_ENT=ent, UPCAST=upcast, PREC=prec, BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh)
                 if fn is _bwd_kernel:
@@ -419,30 +277,17 @@ def _stats_triton(hidden, weight, t_local, inv_temp, with_entropy, block_v=None)
         return out
     grid = (triton.cdiv(T, bt),)
     _fwd_stats_kernel[grid](
-        hidden,
-        weight,
-        t_local,
-        out,
-        T,
-        V,
-        HD,
-        hidden.stride(0),
-        hidden.stride(1),
-        weight.stride(0),
-        weight.stride(1),
+        hidden, weight, t_local, out, T, V, HD,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         float(inv_temp),
-        WITH_ENT=with_entropy,
-        UPCAST=upcast,
-        PREC=prec,
-        BLOCK_T=bt,
-        BLOCK_V=bv,
-        BLOCK_H=bh,
-        num_warps=nw,
+        WITH_ENT=with_entropy, UPCAST=upcast, PREC=prec,
+        BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, num_warps=nw,
     )
     return out
 
 
-def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block_v=None, need_dh=True, need_dw=True):
+def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block_v=None,
+                  need_dh=True, need_dw=True):
     T, HD = hidden.shape
     V = weight.shape[0]
     bt, bv, bh, upcast, prec, nw = _triton_cfg(hidden.dtype, backward=True)
@@ -457,32 +302,11 @@ def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block
         return dh, dw
     grid = (triton.cdiv(T, bt), triton.cdiv(V, bv))
     _bwd_kernel[grid](
-        hidden,
-        weight,
-        t_local,
-        lse,
-        mu,
-        g_lp,
-        ge,
-        dh,
-        dw,
-        T,
-        V,
-        HD,
-        hidden.stride(0),
-        hidden.stride(1),
-        weight.stride(0),
-        weight.stride(1),
+        hidden, weight, t_local, lse, mu, g_lp, ge, dh, dw, T, V, HD,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         float(inv_temp),
-        WITH_ENT=with_ent,
-        UPCAST=upcast,
-        PREC=prec,
-        NEED_DH=need_dh,
-        NEED_DW=need_dw,
-        BLOCK_T=bt,
-        BLOCK_V=bv,
-        BLOCK_H=bh,
-        num_warps=nw,
+        WITH_ENT=with_ent, UPCAST=upcast, PREC=prec, NEED_DH=need_dh, NEED_DW=need_dw,
+        BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, num_warps=nw,
     )
     return dh, dw
 
@@ -491,7 +315,8 @@ def _grads_triton(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, block
 DZ_CHUNK = 8192
 
 
-def _grads_triton_dz(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk=None, need_dh=True, need_dw=True):
+def _grads_triton_dz(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk=None,
+                     need_dh=True, need_dw=True):
     """Chunked backward: Triton writes dz per vocab chunk, the GEMMs are plain matmuls.
 
     No atomics: per chunk `dh += dz @ W_c` and `dW_c = dz^T @ h` run as cuBLAS GEMMs
@@ -504,7 +329,8 @@ def _grads_triton_dz(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, ch
     bt, bv, bh, upcast, prec, nw = _triton_cfg(hidden.dtype, backward=True)
     C = chunk or (512 if _INTERPRET else DZ_CHUNK)
     # GEMM operand dtype: the 16-bit input dtype on GPU; fp32 under the interpreter
-    mm_dt = hidden.dtype if (not upcast and hidden.dtype in (torch.bfloat16, torch.float16)) else torch.float32
+    mm_dt = hidden.dtype if (not upcast and hidden.dtype in (torch.bfloat16, torch.float16)) \
+        else torch.float32
     dh = torch.zeros((T, HD) if need_dh else (1,), dtype=torch.float32, device=dev)
     dw = torch.empty((V, HD) if need_dw else (1,), dtype=weight.dtype, device=dev)
     if T == 0 or V == 0 or not (need_dh or need_dw):
@@ -518,30 +344,11 @@ def _grads_triton_dz(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, ch
         wc = weight[v0:v1]  # (C, H) view
         dzc = dz[:, : v1 - v0]  # (T, C') view, row stride C
         _dz_kernel[(triton.cdiv(T, bt), triton.cdiv(v1 - v0, bv))](
-            hidden,
-            wc,
-            (t_local - v0).contiguous(),
-            lse,
-            mu,
-            g_lp,
-            ge,
-            dzc,
-            T,
-            v1 - v0,
-            HD,
-            hidden.stride(0),
-            hidden.stride(1),
-            wc.stride(0),
-            wc.stride(1),
-            dzc.stride(0),
+            hidden, wc, (t_local - v0).contiguous(), lse, mu, g_lp, ge, dzc, T, v1 - v0, HD,
+            hidden.stride(0), hidden.stride(1), wc.stride(0), wc.stride(1), dzc.stride(0),
             float(inv_temp),
-            WITH_ENT=with_ent,
-            UPCAST=upcast,
-            PREC=prec,
-            BLOCK_T=bt,
-            BLOCK_V=bv,
-            BLOCK_H=bh,
-            num_warps=nw,
+            WITH_ENT=with_ent, UPCAST=upcast, PREC=prec,
+            BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, num_warps=nw,
         )
         if need_dh:
             if mm_dt == torch.float32:
@@ -593,7 +400,8 @@ def _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk):
     return torch.stack([m, s, a, zt])
 
 
-def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk, need_dh=True, need_dw=True):
+def _grads_torch(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk,
+                 need_dh=True, need_dw=True):
     """(dhidden (T, H) fp32, dweight (V, H) in weight.dtype); two (T, chunk) fp32 buffers.
 
     Each chunk's dweight rows are complete after one chunk, so they are written straight
@@ -671,17 +479,15 @@ def _combine(stats, tp_group):
 
 class _TokenLogprobsFn(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, hidden, weight, targets, vocab_start, tp_group, with_entropy, inv_temp, backend, chunk, reduce_grad_hidden
-    ):
+    def forward(ctx, hidden, weight, targets, vocab_start, tp_group, with_entropy,
+                inv_temp, backend, chunk, reduce_grad_hidden):
         valid = targets >= 0  # (T,) bool
         # local column of the target; -1 (matches no column) for ignored rows. Targets of
         # other shards fall outside [0, V_local) and match nothing either.
         t_local = torch.where(valid, targets - vocab_start, torch.full_like(targets, -1))
         if backend in ("triton", "triton_dz"):
-            stats = _stats_triton(
-                hidden, weight, t_local, inv_temp, with_entropy, chunk if backend == "triton" else None
-            )
+            stats = _stats_triton(hidden, weight, t_local, inv_temp, with_entropy,
+                                  chunk if backend == "triton" else None)
         else:
             stats = _stats_torch(hidden, weight, t_local, inv_temp, with_entropy, chunk)
         lse, mu, zt = _combine(stats, tp_group)
@@ -705,10 +511,13 @@ class _TokenLogprobsFn(torch.autograd.Function):
         else:
             g_ent = None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grads = {"triton": _grads_triton, "triton_dz": _grads_triton_dz, "torch": _grads_torch}[backend]
-        dh, dw = grads(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk, need_dh=need_dh, need_dw=need_dw)
+        grads = {"triton": _grads_triton, "triton_dz": _grads_triton_dz,
+                 "torch": _grads_torch}[backend]
+        dh, dw = grads(hidden, weight, t_local, lse, mu, g_lp, g_ent, inv_temp, chunk,
+                       need_dh=need_dh, need_dw=need_dw)
         # (every rank of tp_group must agree on needing dhidden: this is a collective)
-        if need_dh and tp_group is not None and reduce_grad_hidden and dist.get_world_size(tp_group) > 1:
+        if (need_dh and tp_group is not None and reduce_grad_hidden
+                and dist.get_world_size(tp_group) > 1):
             dist.all_reduce(dh, group=tp_group)  # every shard's contribution to dhidden
         dh = dh.to(hidden.dtype) if need_dh else None
         dw = dw.to(weight.dtype) if need_dw else None
@@ -717,13 +526,12 @@ class _TokenLogprobsFn(torch.autograd.Function):
 
 def _pick_backend(hidden, weight, backend):
     if backend not in ("auto", "triton", "triton_dz", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton', 'triton_dz' or 'torch', got {backend!r}")
+        raise ValueError("backend must be 'auto', 'triton', 'triton_dz' or 'torch', "
+                         f"got {backend!r}")
     if backend != "auto":
         if backend != "torch" and not (HAS_TRITON and (hidden.is_cuda or _INTERPRET)):
-            raise RuntimeError(
-                "backend='triton' needs CUDA or TRITON_INTERPRET=1 set "
-                "before importing trace_mega.kernels.token_logprobs"
-            )
+            raise RuntimeError("backend='triton' needs CUDA or TRITON_INTERPRET=1 set "
+                               "before importing trace_mega.kernels.token_logprobs")
         return backend
     if HAS_TRITON and hidden.is_cuda:
         return "triton"
@@ -732,20 +540,9 @@ def _pick_backend(hidden, weight, backend):
     return "torch"
 
 
-def token_logprobs(
-    hidden,
-    weight,
-    targets,
-    *,
-    chunk_size=None,
-    tp_group=None,
-    vocab_start=0,
-    with_entropy=False,
-    temperature=1.0,
-    backend="auto",
-    reduce_grad_hidden=True,
-    vocab_size=None,
-):
+def token_logprobs(hidden, weight, targets, *, chunk_size=None, tp_group=None, vocab_start=0,
+                   with_entropy=False, temperature=1.0, backend="auto",
+                   reduce_grad_hidden=True, vocab_size=None):
     """Target-token log-probs (and entropy) of `softmax(hidden @ weight.T / temperature)`.
 
     Args:
@@ -771,7 +568,8 @@ def token_logprobs(
         w.r.t. hidden and weight.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden (T, H) and weight (V, H); got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+        raise ValueError(f"need hidden (T, H) and weight (V, H); got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be ({hidden.shape[0]},), got {tuple(targets.shape)}")
     if not temperature > 0:
@@ -796,16 +594,7 @@ def token_logprobs(
         chunk = chunk_size  # the dz buffer's vocab chunk (None: DZ_CHUNK)
     else:
         chunk = chunk_size or TORCH_CHUNK
-    lp, ent = _TokenLogprobsFn.apply(
-        hidden,
-        weight,
-        targets,
-        int(vocab_start),
-        tp_group,
-        bool(with_entropy),
-        1.0 / float(temperature),
-        be,
-        chunk,
-        bool(reduce_grad_hidden),
-    )
+    lp, ent = _TokenLogprobsFn.apply(hidden, weight, targets, int(vocab_start), tp_group,
+                                     bool(with_entropy), 1.0 / float(temperature), be, chunk,
+                                     bool(reduce_grad_hidden))
     return (lp, ent) if with_entropy else lp

@@ -49,7 +49,6 @@ was set before this module was imported.  Without it (a plain CPU run, e.g.
 the CPU demo), :func:`tree_attention` computes the same function with the
 SDPA reference (materialised mask) and warns once.
 """
-
 from __future__ import annotations
 
 import math
@@ -81,40 +80,14 @@ _I32_MAX = 2147483647
 
 @triton.jit
 def _tree_attn_fwd(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    TN,
-    TE,
-    CNT,
-    IDX,
-    PART,
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    T,
-    NQB,
-    NKB,
-    HQ,
-    GROUP,
-    D,
-    qk_scale,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    Q, K, V, O, LSE, TN, TE, CNT, IDX, PART,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    T, NQB, NKB, HQ, GROUP, D, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program = one query tile of one (batch, query head); online softmax over its planned key tiles."""
     pid_m = tl.program_id(0)
@@ -128,11 +101,8 @@ def _tree_attn_fwd(
     m_in = offs_m < T
     d_in = offs_d < D
 
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
-        mask=m_in[:, None] & d_in[None, :],
-        other=0.0,
-    )  # (BM, BD)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qt
+                + offs_d[None, :], mask=m_in[:, None] & d_in[None, :], other=0.0)  # (BM, BD)
     if UPCAST:
         q = q.to(tl.float32)
     qn = tl.load(TN + b * T + offs_m, mask=m_in, other=-1)  # (BM,) node ids, -1 = padding
@@ -153,12 +123,10 @@ def _tree_attn_fwd(
         offs_n = start_n + tl.arange(0, BLOCK_N)  # (BN,)
         n_in = offs_n < T
         kv_mask = n_in[:, None] & d_in[None, :]
-        k = tl.load(
-            k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0
-        )  # (BN, BD)
-        v = tl.load(
-            v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0
-        )  # (BN, BD)
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BN, BD)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BN, BD)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -166,13 +134,8 @@ def _tree_attn_fwd(
         if tl.load(PART + plan + it) != 0:
             kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
             ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
-            allowed = (
-                (kn[None, :] <= qn[:, None])
-                & (qn[:, None] <= ke[None, :])
-                & (offs_n[None, :] <= offs_m[:, None])
-                & (kn[None, :] >= 0)
-                & q_ok[:, None]
-            )
+            allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                       & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])  # (BM, BN); 0 where masked
@@ -187,11 +150,8 @@ def _tree_attn_fwd(
 
     has_key = l_i > 0.0  # False only for padding rows
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    tl.store(
-        O + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_ot + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=m_in[:, None] & d_in[None, :],
-    )
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_ot
+             + offs_d[None, :], out.to(O.dtype.element_ty), mask=m_in[:, None] & d_in[None, :])
     # any finite LSE works for empty rows: the backward masks their P to 0
     lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), 0.0)
     tl.store(LSE + (b * HQ + h) * T + offs_m, lse, mask=m_in)
@@ -199,51 +159,16 @@ def _tree_attn_fwd(
 
 @triton.jit
 def _tree_attn_bwd_dkdv(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    TN,
-    TE,
-    CNT,
-    IDX,
-    PART,
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_dob,
-    stride_dot,
-    stride_doh,
-    stride_dkb,
-    stride_dkt,
-    stride_dkh,
-    stride_dvb,
-    stride_dvt,
-    stride_dvh,
-    T,
-    NQB,
-    NKB,
-    HQ,
-    HKV,
-    GROUP,
-    D,
-    qk_scale,
-    sm_scale,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, TN, TE, CNT, IDX, PART,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_dkb, stride_dkt, stride_dkh,
+    stride_dvb, stride_dvt, stride_dvh,
+    T, NQB, NKB, HQ, HKV, GROUP, D, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program = one key tile of one (batch, kv head); loops over its group's query heads and
     the query tiles planned for this key tile (the transposed plan)."""
@@ -257,16 +182,10 @@ def _tree_attn_bwd_dkdv(
     n_in = offs_n < T
     d_in = offs_d < D
     kv_mask = n_in[:, None] & d_in[None, :]
-    k = tl.load(
-        K + b * stride_kb + hk * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )  # (BN, BD)
-    v = tl.load(
-        V + b * stride_vb + hk * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )  # (BN, BD)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kt
+                + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, BD)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vt
+                + offs_d[None, :], mask=kv_mask, other=0.0)  # (BN, BD)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -287,12 +206,10 @@ def _tree_attn_bwd_dkdv(
             offs_m = tl.load(IDX + plan + it) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
             m_in = offs_m < T
             qd_mask = m_in[:, None] & d_in[None, :]
-            q = tl.load(
-                q_base + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], mask=qd_mask, other=0.0
-            )  # (BM, BD)
-            do = tl.load(
-                do_base + offs_m.to(tl.int64)[:, None] * stride_dot + offs_d[None, :], mask=qd_mask, other=0.0
-            )  # (BM, BD)
+            q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
+                        mask=qd_mask, other=0.0)  # (BM, BD)
+            do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_dot + offs_d[None, :],
+                         mask=qd_mask, other=0.0)  # (BM, BD)
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
@@ -301,13 +218,8 @@ def _tree_attn_bwd_dkdv(
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
             if tl.load(PART + plan + it) != 0:
                 qn = tl.load(TN + b * T + offs_m, mask=m_in, other=-1)
-                allowed = (
-                    (kn[None, :] <= qn[:, None])
-                    & (qn[:, None] <= ke[None, :])
-                    & (offs_n[None, :] <= offs_m[:, None])
-                    & k_ok[None, :]
-                    & (qn[:, None] >= 0)
-                )
+                allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                           & (offs_n[None, :] <= offs_m[:, None]) & k_ok[None, :] & (qn[:, None] >= 0))
                 # mask before exp2 so masked garbage scores cannot overflow to inf
                 s = tl.where(allowed, s, float("-inf"))
             p = tl.exp2(s - lse[:, None])  # (BM, BN) softmax probs
@@ -320,60 +232,23 @@ def _tree_attn_bwd_dkdv(
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     dk = dk * sm_scale
-    tl.store(
-        DK + b * stride_dkb + hk * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkt + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask=kv_mask,
-    )
-    tl.store(
-        DV + b * stride_dvb + hk * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvt + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=kv_mask,
-    )
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n.to(tl.int64)[:, None] * stride_dkt
+             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvt
+             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
 def _tree_attn_bwd_dq(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    TN,
-    TE,
-    CNT,
-    IDX,
-    PART,
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_dob,
-    stride_dot,
-    stride_doh,
-    stride_dqb,
-    stride_dqt,
-    stride_dqh,
-    T,
-    NQB,
-    NKB,
-    HQ,
-    GROUP,
-    D,
-    qk_scale,
-    sm_scale,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ, TN, TE, CNT, IDX, PART,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_dqb, stride_dqt, stride_dqh,
+    T, NQB, NKB, HQ, GROUP, D, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program = one query tile of one (batch, query head); accumulates dQ over its planned key tiles."""
     pid_m = tl.program_id(0)
@@ -387,16 +262,10 @@ def _tree_attn_bwd_dq(
     m_in = offs_m < T
     d_in = offs_d < D
     qd_mask = m_in[:, None] & d_in[None, :]
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
-        mask=qd_mask,
-        other=0.0,
-    )  # (BM, BD)
-    do = tl.load(
-        DO + b * stride_dob + h * stride_doh + offs_m.to(tl.int64)[:, None] * stride_dot + offs_d[None, :],
-        mask=qd_mask,
-        other=0.0,
-    )  # (BM, BD)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qt
+                + offs_d[None, :], mask=qd_mask, other=0.0)  # (BM, BD)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m.to(tl.int64)[:, None] * stride_dot
+                 + offs_d[None, :], mask=qd_mask, other=0.0)  # (BM, BD)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -414,10 +283,10 @@ def _tree_attn_bwd_dq(
         offs_n = tl.load(IDX + plan + it) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         n_in = offs_n < T
         kv_mask = n_in[:, None] & d_in[None, :]
-        k = tl.load(
-            k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0
-        )  # (BN, BD)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BN, BD)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -425,13 +294,8 @@ def _tree_attn_bwd_dq(
         if tl.load(PART + plan + it) != 0:
             kn = tl.load(TN + b * T + offs_n, mask=n_in, other=-1)
             ke = tl.load(TE + b * T + offs_n, mask=n_in, other=-1)
-            allowed = (
-                (kn[None, :] <= qn[:, None])
-                & (qn[:, None] <= ke[None, :])
-                & (offs_n[None, :] <= offs_m[:, None])
-                & (kn[None, :] >= 0)
-                & q_ok[:, None]
-            )
+            allowed = ((kn[None, :] <= qn[:, None]) & (qn[:, None] <= ke[None, :])
+                       & (offs_n[None, :] <= offs_m[:, None]) & (kn[None, :] >= 0) & q_ok[:, None])
             s = tl.where(allowed, s, float("-inf"))
         p = tl.exp2(s - lse[:, None])  # (BM, BN)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -441,11 +305,8 @@ def _tree_attn_bwd_dq(
         else:
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     dq = dq * sm_scale
-    tl.store(
-        DQ + b * stride_dqb + h * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqt + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask=qd_mask,
-    )
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m.to(tl.int64)[:, None] * stride_dqt
+             + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qd_mask)
 
 
 # --------------------------------------------------------------------------- host side
@@ -467,16 +328,13 @@ def _tile_stats(token_node: torch.Tensor, token_node_exit: torch.Tensor, block: 
     tiles = lambda x, fill: F.pad(x, (0, pad), value=fill).view(B, nb, block)  # noqa: E731  (B, nb, block)
     node = torch.where(valid, token_node, -1)
     ex = torch.where(valid, token_node_exit, -1)
-    return torch.stack(
-        [
-            tiles(torch.where(valid, token_node, _I32_MAX), _I32_MAX).amin(-1),
-            tiles(node, -1).amax(-1),
-            tiles(ex, -1).amax(-1),
-            tiles(node, -1).amin(-1),
-            tiles(ex, -1).amin(-1),
-        ],
-        dim=-1,
-    ).long()
+    return torch.stack([
+        tiles(torch.where(valid, token_node, _I32_MAX), _I32_MAX).amin(-1),
+        tiles(node, -1).amax(-1),
+        tiles(ex, -1).amax(-1),
+        tiles(node, -1).amin(-1),
+        tiles(ex, -1).amin(-1),
+    ], dim=-1).long()
 
 
 def _tile_masks(token_node, token_node_exit, block_m: int, block_n: int):
@@ -499,13 +357,8 @@ def _tile_masks(token_node, token_node_exit, block_m: int, block_n: int):
     k_start = torch.arange(nk, device=dev)[None, :] * block_n
     causal = (k_start < q_end)[None].expand(B, nq, nk)  # (B, nQ, nK)
     visited = causal & (ks[..., 2] >= qs[..., 0]) & (ks[..., 0] <= qs[..., 1])
-    unmasked = (
-        visited
-        & (k_start + block_n <= q_start)[None]
-        & (ks[..., 1] <= qs[..., 3])
-        & (qs[..., 1] <= ks[..., 4])
-        & (qs[..., 3] >= 0)
-    )
+    unmasked = (visited & (k_start + block_n <= q_start)[None] & (ks[..., 1] <= qs[..., 3])
+                & (qs[..., 1] <= ks[..., 4]) & (qs[..., 3] >= 0))
     return causal, visited, unmasked
 
 
@@ -523,16 +376,12 @@ def _tile_plan(token_node, token_node_exit, block_m: int, block_n: int, *, by_ke
     # stable sort on "not visited" moves the visited columns to the front, in ascending order
     order = torch.argsort((~visited).to(torch.uint8), dim=-1, stable=True)  # (B, rows, cols)
     partial = (~unmasked).gather(-1, order)
-    return (
-        visited.sum(-1).to(torch.int32).contiguous(),
-        order.to(torch.int32).contiguous(),
-        partial.to(torch.int32).contiguous(),
-    )
+    return (visited.sum(-1).to(torch.int32).contiguous(), order.to(torch.int32).contiguous(),
+            partial.to(torch.int32).contiguous())
 
 
-def tile_skip_stats(
-    token_node, token_node_exit, block_m: int = 64, block_n: int = 64, *, return_masks: bool = False
-) -> dict:
+def tile_skip_stats(token_node, token_node_exit, block_m: int = 64, block_n: int = 64, *,
+                    return_masks: bool = False) -> dict:
     """Count the (query tile, key tile) pairs the kernels visit (the same plan they run).
 
     Returns ints: ``total`` (all B * nQ * nK pairs), ``causal`` (pairs not
@@ -548,13 +397,8 @@ def tile_skip_stats(
         token_node, token_node_exit = token_node[None], token_node_exit[None]
     causal, visited, unmasked = _tile_masks(token_node, token_node_exit, block_m, block_n)
     n_causal, n_visited = int(causal.sum()), int(visited.sum())
-    out = {
-        "total": causal.numel(),
-        "causal": n_causal,
-        "visited": n_visited,
-        "unmasked": int(unmasked.sum()),
-        "skipped_frac": 1.0 - n_visited / max(n_causal, 1),
-    }
+    out = {"total": causal.numel(), "causal": n_causal, "visited": n_visited, "unmasked": int(unmasked.sum()),
+           "skipped_frac": 1.0 - n_visited / max(n_causal, 1)}
     if return_masks:
         out.update(visited_mask=visited, unmasked_mask=unmasked)
     return out
@@ -590,18 +434,15 @@ def _check_inputs(q, k, v, token_node, token_node_exit):
         raise ValueError("q, k, v must be (B, T, H, D)")
     B, T, Hq, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-        raise ValueError(
-            f"k, v must be (B, T, Hkv, D) matching q {tuple(q.shape)}, got {tuple(k.shape)} / {tuple(v.shape)}"
-        )
+        raise ValueError(f"k, v must be (B, T, Hkv, D) matching q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)} / {tuple(v.shape)}")
     if k.shape[2] == 0 or Hq % k.shape[2] != 0:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={k.shape[2]} (GQA)")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q, k, v must share one dtype of fp32/bf16/fp16, got {q.dtype}/{k.dtype}/{v.dtype}")
     if tuple(token_node.shape) != (B, T) or tuple(token_node_exit.shape) != (B, T):
-        raise ValueError(
-            f"token_node / token_node_exit must be (B, T)=({B}, {T}), got "
-            f"{tuple(token_node.shape)} / {tuple(token_node_exit.shape)}"
-        )
+        raise ValueError(f"token_node / token_node_exit must be (B, T)=({B}, {T}), got "
+                         f"{tuple(token_node.shape)} / {tuple(token_node_exit.shape)}")
     if token_node.dtype.is_floating_point or token_node_exit.dtype.is_floating_point:
         raise ValueError("token_node / token_node_exit must be integer tensors")
     if not (q.device == k.device == v.device == token_node.device == token_node_exit.device):
@@ -618,42 +459,14 @@ def _forward(q, k, v, tn, te, scale, bm, bn, warps, stages):
     cnt, idx, part = _tile_plan(tn, te, bm, bn)  # (B, nQ), (B, nQ, nK) x2
     grid = (triton.cdiv(T, bm), B * Hq)
     _tree_attn_fwd[grid](
-        q,
-        k,
-        v,
-        o,
-        lse,
-        tn,
-        te,
-        cnt,
-        idx,
-        part,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        o.stride(0),
-        o.stride(1),
-        o.stride(2),
-        T,
-        idx.shape[1],
-        idx.shape[2],
-        Hq,
-        Hq // Hkv,
-        D,
-        scale * math.log2(math.e),
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
-        UPCAST=_INTERPRET,
-        PRECISION=_precision(q.dtype),
-        num_warps=warps,
-        num_stages=stages,
+        q, k, v, o, lse, tn, te, cnt, idx, part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        T, idx.shape[1], idx.shape[2], Hq, Hq // Hkv, D, scale * math.log2(math.e),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        UPCAST=_INTERPRET, PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return o, lse
 
@@ -665,15 +478,8 @@ def _backward(do, q, k, v, o, lse, tn, te, scale, bm, bn, warps, stages, need_dq
     # FA2 preprocessing: delta_i = sum_d dO_i * O_i  (B, Hq, T) fp32
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
     qk_scale = scale * math.log2(math.e)
-    common = dict(
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_D=block_d,
-        UPCAST=_INTERPRET,
-        PRECISION=_precision(q.dtype),
-        num_warps=warps,
-        num_stages=stages,
-    )
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, UPCAST=_INTERPRET,
+                  PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
     dq = dk = dv = None
     if q.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -682,88 +488,26 @@ def _backward(do, q, k, v, o, lse, tn, te, scale, bm, bn, warps, stages, need_dq
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
         cnt, idx, part = _tile_plan(tn, te, bm, bn, by_key=True)  # (B, nK), (B, nK, nQ) x2
         _tree_attn_bwd_dkdv[(triton.cdiv(T, bn), B * Hkv)](
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dk,
-            dv,
-            tn,
-            te,
-            cnt,
-            idx,
-            part,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            do.stride(0),
-            do.stride(1),
-            do.stride(2),
-            dk.stride(0),
-            dk.stride(1),
-            dk.stride(2),
-            dv.stride(0),
-            dv.stride(1),
-            dv.stride(2),
-            T,
-            idx.shape[2],
-            idx.shape[1],
-            Hq,
-            Hkv,
-            Hq // Hkv,
-            D,
-            qk_scale,
-            scale,
-            **common,
+            q, k, v, do, lse, delta, dk, dv, tn, te, cnt, idx, part,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            do.stride(0), do.stride(1), do.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            T, idx.shape[2], idx.shape[1], Hq, Hkv, Hq // Hkv, D, qk_scale, scale, **common,
         )
     if need_dq:
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         cnt, idx, part = _tile_plan(tn, te, bm, bn)  # (B, nQ), (B, nQ, nK) x2
         _tree_attn_bwd_dq[(triton.cdiv(T, bm), B * Hq)](
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dq,
-            tn,
-            te,
-            cnt,
-            idx,
-            part,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            do.stride(0),
-            do.stride(1),
-            do.stride(2),
-            dq.stride(0),
-            dq.stride(1),
-            dq.stride(2),
-            T,
-            idx.shape[1],
-            idx.shape[2],
-            Hq,
-            Hq // Hkv,
-            D,
-            qk_scale,
-            scale,
-            **common,
+            q, k, v, do, lse, delta, dq, tn, te, cnt, idx, part,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            do.stride(0), do.stride(1), do.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            T, idx.shape[1], idx.shape[2], Hq, Hq // Hkv, D, qk_scale, scale, **common,
         )
     return dq, dk, dv
 
@@ -783,26 +527,16 @@ class _TreeAttentionFn(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, tn, te = ctx.saved_tensors
         need_dq, need_dk, need_dv = ctx.needs_input_grad[:3]
-        dq, dk, dv = _backward(
-            _lastdim_contig(do), q, k, v, o, lse, tn, te, ctx.scale, *ctx.bwd_cfg, need_dq, need_dk or need_dv
-        )
+        dq, dk, dv = _backward(_lastdim_contig(do), q, k, v, o, lse, tn, te, ctx.scale,
+                               *ctx.bwd_cfg, need_dq, need_dk or need_dv)
         return dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None, None
 
 
 _warned_fallback = False
 
 
-def tree_attention_tiled(
-    q,
-    k,
-    v,
-    token_node,
-    token_node_exit,
-    *,
-    scale: float | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
+def tree_attention_tiled(q, k, v, token_node, token_node_exit, *, scale: float | None = None,
+                         block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """:func:`tree_attention` with explicit tile sizes (powers of two >= 16), for tests and tuning.
 
     ``block_m`` / ``block_n`` set the query / key tile in forward and backward;
@@ -814,11 +548,8 @@ def tree_attention_tiled(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if q.device.type != "cuda" and not _INTERPRET:
         if not _warned_fallback:
-            warnings.warn(
-                "tree_attention on CPU without TRITON_INTERPRET=1: using the SDPA reference (materialised O(T^2) mask)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warnings.warn("tree_attention on CPU without TRITON_INTERPRET=1: using the SDPA "
+                          "reference (materialised O(T^2) mask)", RuntimeWarning, stacklevel=2)
             _warned_fallback = True
         return tree_attention_reference(q, k, v, token_node, token_node_exit, scale=scale)
     cfg = _default_blocks(D, q.device)
@@ -830,9 +561,8 @@ def tree_attention_tiled(
             raise ValueError(f"block sizes must be powers of two >= 16, got {c[0]}, {c[1]}")
     tn = token_node.to(torch.int32).contiguous()  # node ids fit int32
     te = token_node_exit.to(torch.int32).contiguous()
-    return _TreeAttentionFn.apply(
-        _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v), tn, te, scale, tuple(fwd_cfg), tuple(bwd_cfg)
-    )
+    return _TreeAttentionFn.apply(_lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v),
+                                  tn, te, scale, tuple(fwd_cfg), tuple(bwd_cfg))
 
 
 def tree_attention(q, k, v, token_node, token_node_exit, *, scale: float | None = None) -> torch.Tensor:

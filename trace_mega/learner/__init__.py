@@ -1,4 +1,4 @@
-"""The Megatron-Core learner: models, HF conversion, optimiser/step, checkpoints, losses.
+"""The Megatron-Core backend: parallel state, models, HF conversion, optimiser and schedule, checkpoints, the `Learner`.
 
 Submodules import megatron-core; import them directly (e.g.
 `from trace_mega.learner.models import build_model`). On CPU, call

@@ -6,14 +6,15 @@ the KL term or TRACE-C needs it), and exposes what the step loop needs:
 
 * `hidden_states(packed)` — policy final hidden states of a layout (no grad), for
   the predictor's value head, on every rank;
-* `probe(batch, tokenize, template)` — TRACE-C's ℓ̄ at every tool boundary from
-  the reference (one packed forward per group of trees);
-* `train_step(batch)` — the step's policy update: epochs x mini-batches of whole
-  trees with `batch.advantages`, one optimiser step each; it leaves the hidden
-  states of this DP rank's trees under the pre-update weights in `batch.hidden`
-  (from the training forward when the update is on-policy, else from the no-grad
-  old-log-prob forward), so the predictor fits on each rank's share without another
-  policy forward (docs/step.md);
+* `score_nodes(packed, nodes, score, needs_hidden)` — the predictor's scores of nodes, the
+  trees split over data-parallel ranks (each encodes only its share);
+* `probe(packed, trees, tokenize, template)` — TRACE-C's ℓ̄ at every tool boundary from
+  the reference (one packed forward per group of trees, split over DP);
+* `train_step(packed, advantages)` — the step's policy update: epochs x mini-batches of
+  whole trees, one optimiser step each; it returns a `PolicyUpdate`: the metrics and the
+  hidden states of this DP rank's trees under the pre-update weights (from the training
+  forward when the update is on-policy, else from the no-grad old-log-prob forward), so the
+  predictor fits on each rank's share without another policy forward (docs/step.md);
 * `old_logprobs(packed, return_hidden)` — one no-grad policy forward: the log-probs of the
   loss tokens (the PPO reference) and optionally every token's hidden state;
 * `sync_weights(engine)` — the in-memory weight sync to a rollout engine (the
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
@@ -46,37 +48,38 @@ import torch
 import torch.distributed as dist
 
 from trace_mega.config import TrainConfig
-from trace_mega.learner.attention import tree_attention_mask
+from trace_mega.credit.probe import ProbeResult, reference_probe
 from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trace_mega.learner.convert import export_hf, load_hf_into, save_hf
-from trace_mega.learner.logprobs import packed_token_logprobs
-from trace_mega.learner.losses import aggregation_mode, compute_loss, rollout_is_weights, unit_count
 from trace_mega.learner.models import build_model, model_config_from_hf, output_weight, unwrap
-from trace_mega.learner.optim import build_optimizer, forward_only, train_step, wrap_ddp
+from trace_mega.learner.optim import build_optimizer, forward_only, megatron_packed_forward, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
-from trace_mega.learner.probe import ProbeResult, megatron_packed_forward, reference_probe
-from trace_mega.rollout.tree import PackedTrees
+from trace_mega.objective.advantages import Advantages
+from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, rollout_is_weights, unit_count
+from trace_mega.ops.attention import tree_attention_mask
+from trace_mega.ops.balance import balanced_bins
+from trace_mega.ops.logprobs import packed_token_logprobs
+from trace_mega.rollout.tree import PackedTrees, RolloutTree
 
 if TYPE_CHECKING:
-    from trace_mega.learner.advantages import Advantages
     from trace_mega.rollout.engines import Engine
-    from trace_mega.step import StepBatch
 
 
-def balanced_bins(sizes: Sequence[int], n: int) -> list[list[int]]:
-    """Indices 0..len(sizes)-1 in `n` bins of near-equal total size, deterministically.
+NodeScorer = Callable[[PackedTrees, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+"""(layout, (S,) node ids in it, (T, H) policy hidden states of it or None) -> (S,) scores."""
 
-    Largest first into the least-loaded bin (ties: the lower index, the lower bin); each bin's
-    indices are returned in ascending order. Used for mini-batches (n = mini-batches per step)
-    and for micro-batches (n = DP size x micro-batches per rank).
-    """
-    bins: list[list[int]] = [[] for _ in range(max(n, 1))]
-    load = [0] * len(bins)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        b = min(range(len(bins)), key=lambda b: (load[b], b))
-        bins[b].append(i)
-        load[b] += sizes[i]
-    return [sorted(b) for b in bins]
+
+@dataclass
+class PolicyUpdate:
+    """What `Learner.train_step` returns: the update's metrics and the states the predictor fits on."""
+
+    metrics: dict[str, float]
+    """`loss/*` over all optimiser steps of the update (`_step_metrics`)."""
+    hidden: torch.Tensor
+    """(T_share, H) policy final hidden states, under the pre-update weights, of the trees `trees`
+    (the layout `packed.select(trees)`), on every pipeline stage."""
+    trees: list[int]
+    """The trees (ascending indices into the step's layout) this data-parallel rank trained on."""
 
 
 _SUM_KEYS = ("loss_sum", "num_tokens", "mask_tokens")
@@ -275,18 +278,20 @@ class Learner:
         )
 
     @torch.no_grad()
-    def probe(self, batch: "StepBatch", tokenize: Callable[[str], list[int]], template: str) -> torch.Tensor:
-        """TRACE-C: (N,) ℓ̄ of the gold answer at the boundary after every node of the step's layout,
-        from the frozen reference. Each data-parallel rank (with its TP and PP peers) probes its share
+    def probe(
+        self, packed: PackedTrees, trees: Sequence[RolloutTree], tokenize: Callable[[str], list[int]], template: str
+    ) -> torch.Tensor:
+        """TRACE-C: (N,) ℓ̄ of the gold answer at the boundary after every node of `packed`, the layout
+        of `trees`, from the frozen reference. Each data-parallel rank (with its TP and PP peers) probes its share
         of the trees (`balanced_bins` on tokens, the same on every rank); the last pipeline stage's
         values are broadcast over PP and the per-tree values all-gathered over DP, so no rank repeats
         another's forward."""
         if self.reference is None:
             raise RuntimeError("no reference model: TRACE-C needs credit.enabled at construction")
-        g, trees = self.groups, batch.trees
+        g = self.groups
         share = list(range(len(trees)))
         if g.dp_size > 1:
-            share = balanced_bins(batch.packed.tree_num_tokens().tolist(), g.dp_size)[g.dp_rank]
+            share = balanced_bins(packed.tree_num_tokens().tolist(), g.dp_size)[g.dp_rank]
         ell = (
             reference_probe(
                 megatron_packed_forward(self.reference),
@@ -315,7 +320,36 @@ class Learner:
                 for i, e in zip(ids, values):
                     full[i] = e
             result = ProbeResult(full)
-        return result.for_packed(batch.packed)
+        return result.for_packed(packed)
+
+    @torch.no_grad()
+    def score_nodes(
+        self, packed: PackedTrees, nodes: torch.Tensor, score: NodeScorer, needs_hidden: bool
+    ) -> torch.Tensor:
+        """(S,) float64 `score(sub, local, hidden)` of `nodes` (global ids of `packed`), on the learner's
+        device and every rank: the TRACE-A predictor's scoring of prompts or prefixes.
+
+        The forwards are split over data-parallel ranks: each DP rank (with its TP and PP peers)
+        encodes only its share of the trees that hold `nodes` (`balanced_bins` on tokens, the same
+        on every rank) and scores their nodes in the sub-layout `sub` (`local`: their ids there;
+        `hidden`: the policy's hidden states of `sub` when `needs_hidden`, else None); the scores are
+        summed over DP into the whole vector (each is filled by exactly one rank), so no rank
+        repeats another rank's forward."""
+        g = self.groups
+        out = torch.zeros(nodes.numel(), dtype=torch.float64, device=g.device)
+        if nodes.numel() == 0:
+            return out
+        trees = sorted(set(packed.node_tree[nodes.cpu()].tolist()))
+        tokens = packed.tree_num_tokens().tolist()
+        share = [trees[j] for j in balanced_bins([tokens[t] for t in trees], g.dp_size)[g.dp_rank]]
+        if share:
+            sub = packed.select(share)
+            idx, local = packed.nodes_in(share, nodes)
+            hidden = self.hidden_states(sub) if needs_hidden else None
+            out[idx.to(g.device)] = score(sub, local, hidden).to(out)
+        if g.dp_size > 1:
+            dist.all_reduce(out, group=g.pgs.dp)
+        return out
 
     # --- training ------------------------------------------------------------------
     @torch.no_grad()
@@ -333,8 +367,8 @@ class Learner:
 
     def _micro_batches(
         self, packed: PackedTrees, adv: "Advantages", tree_ids: Sequence[int]
-    ) -> list[tuple[list[int], PackedTrees, torch.Tensor]]:
-        """This DP rank's micro-batches of the trees `tree_ids`: (trees, pack, their stream positions
+    ) -> list[tuple[list[int], LossBatch, torch.Tensor]]:
+        """This DP rank's micro-batches of the trees `tree_ids`: (trees, loss input, their stream positions
         in `packed`).
 
         The trees are binned by tokens into dp * n bins (`balanced_bins`, n = micro-batches per
@@ -350,14 +384,14 @@ class Learner:
         out = []
         for b in balanced_bins(sizes, g.dp_size * n)[g.dp_rank :: g.dp_size]:
             ids = [tree_ids[j] for j in b]
-            mb, idx = packed.select(ids), packed.tree_tokens(ids)
-            # The loss reads its per-token inputs off the micro-batch it is given.
-            mb.advantages, mb.token_weight = adv.advantages[idx], adv.token_weight[idx]
-            out.append((ids, mb, idx))
+            idx = packed.tree_tokens(ids)
+            out.append((ids, adv.loss_batch(packed.select(ids), idx), idx))
         return out
 
-    def train_step(self, step: "StepBatch", old_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
-        """The step's policy update over `step.trees` with `step.advantages`; sets `step.hidden`.
+    def train_step(
+        self, packed: PackedTrees, advantages: Advantages, old_logprobs: Optional[torch.Tensor] = None
+    ) -> PolicyUpdate:
+        """The step's policy update over the trees of `packed` with their `advantages`.
 
         `optim.epochs_per_step` passes over `optim.mini_batches_per_step` mini-batches of whole
         trees (`balanced_bins` on tree tokens), one optimiser step each; every DP rank takes part
@@ -372,18 +406,16 @@ class Learner:
         `loss.rollout_is` multiplies the surrogate by truncated weights min(π_old/π_engine, C).
         Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima).
 
-        `step.hidden` / `step.hidden_trees`: the hidden states under the pre-update weights of
-        the trees this DP rank trained on (its share of every mini-batch), in stream order, on
-        every pipeline stage: the predictor fits on each rank's share (docs/step.md).
+        Returns the metrics and the hidden states under the pre-update weights of the trees this
+        DP rank trained on (its share of every mini-batch), in stream order, on every pipeline
+        stage: the predictor fits on each rank's share (docs/step.md).
         """
-        if step.advantages is None:
-            raise ValueError("run an advantage estimator on the step first (StepBatch.advantages)")
         opt, lc, g = self.cfg.optim, self.cfg.loss, self.groups
-        packed, unit = step.packed, aggregation_mode(lc)
+        unit = aggregation_mode(lc)
         # At most one mini-batch per dp_size trees: every rank needs a tree in every mini-batch.
         n_mini = max(1, min(opt.mini_batches_per_step, packed.num_trees // g.dp_size))
         minis = [
-            self._micro_batches(packed, step.advantages, ids)
+            self._micro_batches(packed, advantages, ids)
             for ids in balanced_bins(packed.tree_num_tokens().tolist(), n_mini)
         ]
         single_update = len(minis) == 1 and opt.epochs_per_step == 1
@@ -402,8 +434,7 @@ class Learner:
             for _ in range(opt.epochs_per_step)
             for batches in plans
         ]
-        step.hidden, step.hidden_trees = self._to_all_stages(hidden), share
-        return _step_metrics(steps)
+        return PolicyUpdate(_step_metrics(steps), self._to_all_stages(hidden), share)
 
     @torch.no_grad()
     def _prepare(
@@ -420,19 +451,20 @@ class Learner:
         last pipeline stage, where the loss runs."""
         lc, g = self.cfg.loss, self.groups
         batches = [
-            dict(self._batch(mb), packed=mb, hidden_out=(hidden, where[idx].to(g.device))) for _, mb, idx in mini
+            dict(self._batch(lb.packed), loss=lb, hidden_out=(hidden, where[idx].to(g.device))) for _, lb, idx in mini
         ]
         if self.reference is not None and lc.kl_coef > 0:
             for b, h in zip(batches, forward_only(self.reference, batches)):
-                b["ref_logprobs"] = self._logprobs(h[0, : b["packed"].num_tokens], self.reference, b["packed"])
+                mb = b["loss"].packed
+                b["ref_logprobs"] = self._logprobs(h[0, : mb.num_tokens], self.reference, mb)
         if single_update:  # the training forward fills the hidden rows and is its own old policy
             return batches
         for b, h in zip(batches, forward_only(self.chunks[0], batches)):
             out, at = b["hidden_out"]
-            h = h[0, : b["packed"].num_tokens]
+            h = h[0, : b["loss"].packed.num_tokens]
             out[at] = h.to(out.dtype)
             if lc.old_logprobs == "learner" and old_logprobs is None:
-                b["old_logprobs"] = self._logprobs(h, self.policy, b["packed"])
+                b["old_logprobs"] = self._logprobs(h, self.policy, b["loss"].packed)
         for b, (_, _, idx) in zip(batches, mini):
             del b["hidden_out"]
             if lc.old_logprobs == "learner" and old_logprobs is not None and g.is_last_stage:
@@ -445,7 +477,8 @@ class Learner:
             cfg = dataclasses.replace(cfg, seq_norm_tokens=self.cfg.rollout.max_total_tokens)
 
         def loss_fn(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            mb: PackedTrees = batch["packed"]
+            lb: LossBatch = batch["loss"]
+            mb = lb.packed
             h = hidden[0, : mb.num_tokens]  # (T, H)
             if "hidden_out" in batch:  # a single update: its forward runs under the pre-update weights
                 out_hidden, idx = batch["hidden_out"]
@@ -461,16 +494,16 @@ class Learner:
             metrics = {}
             is_w = None
             if cfg.rollout_is != "none":
-                is_w, is_m = rollout_is_weights(old, behaviour, mb, cfg.rollout_is, cfg.rollout_is_cap)
+                is_w, is_m = rollout_is_weights(old, behaviour, lb, cfg.rollout_is, cfg.rollout_is_cap)
                 metrics = {
                     "rollout_is_mean_tok_sum": is_m["rollout_is_mean"] * mask.sum(),
                     "rollout_is_capped_fraction_tok_sum": is_m["rollout_is_capped_fraction"] * mask.sum(),
                     "rollout_is_max": is_m["rollout_is_max"],
                 }
             out = compute_loss(
-                lp, mb, cfg, old_logprobs=old, ref_logprobs=batch.get("ref_logprobs"), entropy=ent, is_weights=is_w
+                lp, lb, cfg, old_logprobs=old, ref_logprobs=batch.get("ref_logprobs"), entropy=ent, is_weights=is_w
             )
-            units = unit_count(mb, unit).to(lp)
+            units = unit_count(lb, unit).to(lp)
             for k, v in out.metrics.items():  # unit-weighted sums (maxima stay maxima)
                 metrics[k if k.endswith("_max") else f"{k}_sum"] = v.detach().float() * (
                     1 if k.endswith("_max") else units
@@ -529,12 +562,26 @@ class Learner:
         save_hf(self.chunks[0], self.groups, out_dir, policy_hf_config(self.cfg, self.model_cfg))
         return Path(out_dir)
 
-    def save(self, root: str | Path, step: int, trainer_state: dict[str, Any]) -> Path:
-        return save_checkpoint(root, step, self.chunks, self.optimizer, self.scheduler, self.groups, trainer_state)
+    def save(
+        self,
+        root: str | Path,
+        step: int,
+        trainer_state: dict[str, Any],
+        extras: Optional[dict[str, Callable[[Path], None]]] = None,
+        keep_last: int = 0,
+        keep_every: Optional[int] = None,
+    ) -> Path:
+        """Checkpoint at `step` (collective; `checkpoint.save_checkpoint`): `extras` are files rank 0
+        writes beside it, then older checkpoints beyond `keep_last` (milestones every `keep_every`
+        steps excepted) are removed. A failed write raises `CheckpointError`; `latest` is untouched."""
+        state = (self.chunks, self.optimizer, self.scheduler, self.groups, trainer_state)
+        return save_checkpoint(root, step, *state, extras=extras, keep_last=keep_last, keep_every=keep_every)
 
     def load_latest(self, root: str | Path) -> Optional[dict[str, Any]]:
-        """Restore the newest checkpoint under `root`; returns its trainer state, or None if there is none."""
-        path = latest_checkpoint(root) if Path(root).exists() else None
+        """Restore the newest intact checkpoint under `root` (a damaged newer one is skipped with a
+        warning); returns its trainer state, or None if there is none. `CheckpointError` when there
+        are checkpoints but none is intact. Collective: rank 0 picks the checkpoint for all."""
+        path = latest_checkpoint(root, self.groups)
         if path is None:
             return None
         return load_checkpoint(path, self.chunks, self.optimizer, self.scheduler, self.groups)

@@ -36,7 +36,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from trace_mega.config import ModelConfig, ParallelConfig
-from trace_mega.learner.attention import TreeCoreAttention
+from trace_mega.ops.attention import TreeCoreAttention
 
 __all__ = [
     "RMSNorm",

@@ -40,9 +40,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from trace_mega.config import OptimConfig, ParallelConfig
+from trace_mega.learner.models import unwrap
 from trace_mega.learner.parallel import ParallelGroups
+from trace_mega.ops.attention import tree_attention_mask
 
-__all__ = ["wrap_ddp", "build_optimizer", "train_step", "forward_only", "LossFn"]
+__all__ = ["wrap_ddp", "build_optimizer", "train_step", "forward_only", "megatron_packed_forward", "LossFn"]
 
 log = logging.getLogger(__name__)
 
@@ -237,3 +239,36 @@ def forward_only(model: torch.nn.Module, batches: Iterable[dict]) -> list[torch.
 
 def _lr(optimizer: MegatronOptimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
+
+
+def megatron_packed_forward(
+    model: torch.nn.Module, pad_multiple: Optional[int] = None
+) -> Callable[..., Optional[torch.Tensor]]:
+    """`trace_mega.credit.probe.PackedForward` (hidden states) for the learner's `TreeGPTModel`; pair with
+    `trace_mega.learner.models.output_weight(model)`.
+
+    Inputs move to the model's device; the stream is padded to a multiple of `pad_multiple`
+    (default: the TP size, as sequence parallelism splits it) with one extra node that
+    attends only to itself. The forward runs through megatron's schedule (`forward_only`), so
+    with pipeline stages every stage calls it and only the last gets the hidden states (None on
+    the others).
+    """
+    net = unwrap(model)
+    multiple = pad_multiple or net.config.tensor_model_parallel_size
+
+    def forward(tokens, position_ids, token_node, token_node_exit):
+        dev = next(net.parameters()).device
+        T = tokens.shape[1]
+        pad = (-T) % multiple
+        if pad:
+            extra = int(token_node.max()) + 1  # a node after every real node: sees only itself
+            fill = lambda x, v: torch.cat([x, x.new_full((1, pad), v)], dim=1)  # noqa: E731
+            tokens, token_node, token_node_exit = fill(tokens, 0), fill(token_node, extra), fill(token_node_exit, extra)
+            position_ids = torch.cat([position_ids, torch.arange(pad)[None]], dim=1)
+        mask = tree_attention_mask(token_node.to(dev), token_node_exit.to(dev))
+        out = forward_only(
+            model, [{"input_ids": tokens.to(dev), "position_ids": position_ids.to(dev), "tree_mask": mask}]
+        )
+        return out[0][0, :T] if out else None  # (T, H)
+
+    return forward

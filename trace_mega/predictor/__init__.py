@@ -2,7 +2,7 @@
 
 from trace_mega.predictor.calibration import Calibration, calibration, plot_reliability
 from trace_mega.predictor.guard import SkillGuard
-from trace_mega.predictor.model import PREDICTORS, Predictor, build_predictor
+from trace_mega.predictor.model import PREDICTORS, Predictor, PredictorFit, build_predictor
 from trace_mega.predictor.targets import PredictorSamples, predictor_samples
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "plot_reliability",
     "PREDICTORS",
     "Predictor",
+    "PredictorFit",
     "build_predictor",
     "PredictorSamples",
     "predictor_samples",

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import collections
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,13 +31,19 @@ from torch import nn
 
 from trace_mega.config import PredictorConfig
 from trace_mega.kernels.boundary_scoring import boundary_scores
-from trace_mega.predictor.calibration import calibration
+from trace_mega.predictor.calibration import Calibration, calibration
 from trace_mega.predictor.targets import PredictorSamples, predictor_samples
 from trace_mega.registry import Registry
 from trace_mega.rollout.tree import PackedTrees
 
-if TYPE_CHECKING:
-    from trace_mega.step import StepBatch
+
+@dataclass
+class PredictorFit:
+    """What a fit returns: its metrics (`predictor/*`) and the held-out calibration they came from."""
+
+    metrics: dict[str, float]
+    calibration: Optional[Calibration]
+    """Reliability of the predictions made before the update (None: no samples), for the plot."""
 
 
 class Predictor(ABC, nn.Module):
@@ -87,9 +94,9 @@ class Predictor(ABC, nn.Module):
         hidden: Optional[torch.Tensor] = None,
         replay: Sequence[tuple[PackedTrees, PredictorSamples, Optional[torch.Tensor]]] = (),
         group: Optional[dist.ProcessGroup] = None,
-    ) -> dict:
+    ) -> PredictorFit:
         """`cfg.updates_per_step` BCE steps on `samples` plus the older `replay` batches (oldest
-        first; a batch k steps old weighs `cfg.replay_decay`**k); returns metrics.
+        first; a batch k steps old weighs `cfg.replay_decay`**k); returns its metrics and calibration.
 
         The calibration is measured on the predictions made *before* the update,
         i.e. on trees the predictor has not trained on yet (held-out by time),
@@ -103,7 +110,7 @@ class Predictor(ABC, nn.Module):
         count) are summed over the group, so every rank takes the update one process would.
         """
         if samples.num_total == 0:
-            return {"predictor/samples": 0}
+            return PredictorFit({"predictor/samples": 0}, None)
         before = self.predict(packed, samples.node, hidden)
         dev = before.device  # the predictor's device (the metrics below move to the host)
         # (3, S_total): predictions, targets, is-root of the whole list; each rank fills its rows.
@@ -142,7 +149,7 @@ class Predictor(ABC, nn.Module):
                 loss.backward()
             loss = self._sum_grads(loss.detach(), group)
             self.optimizer.step()
-        return {
+        metrics = {
             "predictor/loss": float(loss),
             "predictor/brier": cal.brier,
             "predictor/brier_constant": cal.brier_constant,
@@ -151,8 +158,8 @@ class Predictor(ABC, nn.Module):
             "predictor/samples": samples.num_total,
             "predictor/prefix_fraction": float(1.0 - is_root.mean()),
             **roots,
-            "_calibration": cal,
         }
+        return PredictorFit(metrics, cal)
 
     def _sum_grads(self, loss: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
         """Sum the gradients (None: zero, a rank without samples) and `loss` over `group` in one
@@ -169,30 +176,29 @@ class Predictor(ABC, nn.Module):
             p.grad.copy_(g.view_as(p))
         return flat[-1]
 
-    def fit_step(self, batch: "StepBatch", group: Optional[dist.ProcessGroup] = None) -> dict:
+    def fit_step(
+        self,
+        packed: PackedTrees,
+        hidden: torch.Tensor,
+        trees: Sequence[int],
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> PredictorFit:
         """`fit` on the step's final trees plus the replay window of the previous steps' batches.
 
-        Each data-parallel rank (`group`) fits on its share of the trees, `batch.hidden_trees` (the
-        trees of its update, whose hidden states it holds); the window keeps only that share."""
-        samples = predictor_samples(batch.packed, self.cfg.prefix_sample_fraction)
-        packed, hidden = batch.packed, self._step_hidden(batch)
-        if batch.hidden_trees is not None and len(batch.hidden_trees) < packed.num_trees:
-            samples = samples.share(packed, batch.hidden_trees)
-            packed = packed.select(batch.hidden_trees)
+        `packed` is the step's final layout; this data-parallel rank (`group`) fits on its share of
+        it, `trees` (ascending: the trees of its policy update), whose (T_share, H) policy `hidden`
+        states under the pre-update weights the update returned (`Learner.train_step`; read by
+        `value_head` only). The window keeps only that share."""
+        samples = predictor_samples(packed, self.cfg.prefix_sample_fraction)
+        trees = list(trees)
+        if len(trees) < packed.num_trees:
+            samples = samples.share(packed, trees)
+            packed = packed.select(trees)
+        hidden = hidden if self.needs_policy_hidden else None
         out = self.fit(packed, samples, hidden, replay=list(self.replay), group=group)
         if self.replay.maxlen:
             self.replay.append((packed, samples, hidden))
         return out
-
-    def _step_hidden(self, batch: "StepBatch") -> Optional[torch.Tensor]:
-        if not self.needs_policy_hidden:
-            return None
-        if batch.hidden is None:
-            raise ValueError(
-                f"{type(self).__name__} reads the policy's hidden states of the step's layout: "
-                "run Learner.train_step on the step first"
-            )
-        return batch.hidden
 
     def build_optimizer(self) -> None:
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)

@@ -63,8 +63,8 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, EpisodeState, ParsedTurn, Task, ToolCall
-from trace_mega.envs.react import ReactScaffold, error_observation
 from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
+from trace_mega.rollout.react import ReactScaffold, error_observation
 from trace_mega.rollout.tree import Node, RolloutTree
 
 

@@ -4,9 +4,10 @@ Every data-parallel replica of the learner rolls out its own share of the
 step's prompts (`trace_mega/rollout/replicas.py`: the layout, the
 assignment, the exchange): its leader rank runs the agent loop on its engine
 for the prompts `assign_prompts` gives it, branches the continuations planned
-from its own trees, and after each phase the trees are all-gathered, so the
-step record (`trace_mega.step.StepBatch`) and its layout are identical on
-every rank and the allocation decisions are global and exact. Episode seeds
+from its own trees, and after each phase the trees are all-gathered: both phases
+return every tree of the step on every rank, so the trainer's step record and
+its layout are identical on every rank and the allocation decisions are global
+and exact. Episode seeds
 come from (step, prompt index, rollout / branch, turn) (`AgentLoop`), so the
 trees do not depend on the number of replicas. The collector also pauses the
 engine while the learner trains and reports the step's agent-loop counters:
@@ -19,18 +20,15 @@ import dataclasses
 import logging
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, Task
-from trace_mega.envs.react import ReactScaffold
 from trace_mega.rollout.agent_loop import AgentLoop, RolloutStats
 from trace_mega.rollout.engines import Engine
+from trace_mega.rollout.react import ReactScaffold
 from trace_mega.rollout.replicas import ReplicaLayout, assign_prompts, exchange, stats_delta
 from trace_mega.rollout.tree import RolloutTree
-
-if TYPE_CHECKING:
-    from trace_mega.step import StepBatch
 
 log = logging.getLogger("trace_mega")
 
@@ -78,44 +76,43 @@ class RolloutCollector:
         """Token ids of each task's prompt, exactly as the agent loop sends it to the engine."""
         return [self.scaffold.prompt_ids(t) for t in tasks]
 
-    def roll_out(self, batch: "StepBatch", seed: int) -> None:
-        """`batch.rollouts[i]` bare rollouts of prompt i, each by the replica `assign_prompts` gives it;
-        the prompts given none leave the step."""
-        counts = [int(c) for c in batch.rollouts.tolist()]
+    def roll_out(
+        self, tasks: Sequence[Task], trees: list[RolloutTree], counts: Sequence[int], seed: int
+    ) -> list[RolloutTree]:
+        """The step's root-only `trees` (one per task), tree i grown by `counts[i]` bare rollouts on the
+        replica `assign_prompts` gives it; the same on every rank. A tree given none comes back as it
+        was: it leaves the step, and the trees after this phase are those with `counts[i] > 0`, in order
+        (the numbering `expand` takes)."""
+        counts = [int(c) for c in counts]
         owner = assign_prompts(counts, self.layout.num_replicas)
         ids = [i for i, r in enumerate(owner) if r == self.layout.replica]
         if not ids and self.layout.leader:
-            log.info(
-                "step %d: replica %d (rank %d) has no prompts this step",
-                batch.step,
-                self.layout.replica,
-                self.layout.rank,
-            )
+            log.info("replica %d (rank %d) has no prompts this step", self.layout.replica, self.layout.rank)
 
         def run() -> dict[int, RolloutTree]:
-            grown = self.agent.rollout([batch.tasks[i] for i in ids], [counts[i] for i in ids], seed=seed, keys=ids)
+            grown = self.agent.rollout([tasks[i] for i in ids], [counts[i] for i in ids], seed=seed, keys=ids)
             return dict(zip(ids, grown))
 
-        trees = self._phase(batch.trees, run)
+        out = self._phase(trees, run)
         keep = [i for i, m in enumerate(counts) if m > 0]
-        batch.grow(trees, keep=keep)
         self.tree_replica = [owner[i] for i in keep]
-        self._mine = {t: batch.trees[t] for t, r in enumerate(self.tree_replica) if r == self.layout.replica}
+        self._mine = {t: out[i] for t, i in enumerate(keep) if owner[i] == self.layout.replica}
+        return out
 
-    def expand(self, batch: "StepBatch", seed: int) -> None:
-        """Branch the planned continuations (`batch.continuations`) from the bare trees' prefixes, each
-        on the replica that holds the tree (and its environment states)."""
+    def expand(self, trees: list[RolloutTree], points: Sequence[tuple[int, int, int]], seed: int) -> list[RolloutTree]:
+        """`trees` (the kept trees of `roll_out`, in its order) with the continuations `points` (tree,
+        node, k) branched, each on the replica that holds the tree (and its environment states)."""
         own = sorted(self._mine)
         local = {t: j for j, t in enumerate(own)}
-        points = [(local[t], n, k) for t, n, k in batch.branch_points() if t in local]
+        mine = [(local[t], n, k) for t, n, k in points if t in local]
 
         def run() -> dict[int, RolloutTree]:
-            trees = [self._mine[t] for t in own]
-            self.agent.expand(trees, points, seed=seed)
-            AgentLoop.release(trees)  # no more branching this step: drop the kept env states
-            return dict(zip(own, trees))
+            grown = [self._mine[t] for t in own]
+            self.agent.expand(grown, mine, seed=seed)
+            AgentLoop.release(grown)  # no more branching this step: drop the kept env states
+            return dict(zip(own, grown))
 
-        batch.grow(self._phase(batch.trees, run))
+        return self._phase(trees, run)
 
     def _phase(self, trees: list[RolloutTree], run: Callable[[], dict[int, RolloutTree]]) -> list[RolloutTree]:
         """Run this replica's part of a phase (where there is an agent), then exchange trees, counters

@@ -57,11 +57,12 @@ class ReplicaLayout:
         return cls(0, 1, True, 0)
 
     @classmethod
-    def from_groups(cls, g: Any, size: Optional[int] = None) -> "ReplicaLayout":
+    def from_groups(cls, g: Any, size: Optional[int] = None, engine: str = "torch") -> "ReplicaLayout":
         """From the learner's `ParallelGroups`: replicas of `size` ranks (default TP x PP, i.e. one
-        per data-parallel rank). With PP = 1 megatron's TP groups are runs of consecutive ranks, so
-        a replica is `size` consecutive ranks, `size` a multiple of TP (a replica never splits a TP
-        group; `rollout.tensor_parallel_size` may span several learner DP ranks)."""
+        per data-parallel rank) running `engine`. With PP = 1 megatron's TP groups are runs of
+        consecutive ranks, so a replica is `size` consecutive ranks, `size` a multiple of TP (a
+        replica never splits a TP group; `rollout.tensor_parallel_size` may span several learner DP
+        ranks)."""
         mp = g.tp_size * g.pp_size
         size = mp if size is None else int(size)
         if g.pp_size > 1:
@@ -69,6 +70,13 @@ class ReplicaLayout:
                 raise ValueError(
                     f"rollout.tensor_parallel_size {size} with pipeline stages: a replica is one "
                     f"model-parallel group (TP x PP = {mp})"
+                )
+            if engine == "vllm" and g.dp_size > 1:
+                # megatron orders PP outermost, so a replica's ranks are not consecutive; vLLM's
+                # external launcher groups consecutive ranks into its tensor-parallel group.
+                raise ValueError(
+                    "rollout.engine vllm with parallel.pipeline_model_parallel_size > 1 runs one replica "
+                    f"only (here {g.dp_size}): use PP = 1 with DP replicas, or the torch engine"
                 )
             return cls(g.dp_rank, g.dp_size, g.tp_rank == 0 and g.pp_rank == 0, g.rank)
         if size % g.tp_size or g.world_size % size:

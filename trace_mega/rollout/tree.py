@@ -273,8 +273,6 @@ class PackedTrees:
     leaf_nodes: torch.Tensor  # (L,) int64 global ids of the leaves, in pre-order
     leaf_reward: torch.Tensor  # (L,) fp32
     tree_node_offset: torch.Tensor  # (num_trees + 1,) int64
-    advantages: Optional[torch.Tensor] = None  # (T,) fp32, filled by an advantage estimator
-    token_weight: Optional[torch.Tensor] = None  # (T,) fp32 loss weight per stream token, filled with advantages
 
     @property
     def num_tokens(self) -> int:
@@ -348,8 +346,6 @@ class PackedTrees:
             leaf_nodes=new_leaves,
             leaf_reward=self.leaf_reward[rows[new_leaves]],
             tree_node_offset=new_off,
-            advantages=None if self.advantages is None else self.advantages[toks],
-            token_weight=None if self.token_weight is None else self.token_weight[toks],
         )
 
     def nodes_in(self, trees: Sequence[int], nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,8 @@ import sys
 
 import torch
 
+from trace_mega.commands.export import find_checkpoint
 from trace_mega.config import TrainConfig, load_config
-from trace_mega.export import find_checkpoint
 from trace_mega.learner.checkpoint import trainer_state
 from trace_mega.learner.learner import Learner
 from trace_mega.learner.parallel import destroy_parallel

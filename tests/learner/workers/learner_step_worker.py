@@ -10,10 +10,9 @@ import sys
 import torch
 
 from trace_mega.config import AdvantageConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from trace_mega.learner.advantages import compute_advantages
 from trace_mega.learner.learner import Learner
+from trace_mega.objective.advantages import compute_advantages
 from trace_mega.rollout.tree import Node, RolloutTree, pack
-from trace_mega.step import StepBatch
 
 
 def trees(vocab: int) -> list[RolloutTree]:
@@ -31,10 +30,10 @@ def trees(vocab: int) -> list[RolloutTree]:
     return out
 
 
-def step_of(i: int, batch: list[RolloutTree]) -> StepBatch:
-    step = StepBatch(i, [], batch, torch.arange(len(batch)), pack(batch))
-    step.advantages = compute_advantages(step.packed, batch, AdvantageConfig(name="tree"))
-    return step
+def update_of(batch: list[RolloutTree]):
+    """(layout, tree advantages) of `batch`: what the trainer hands `Learner.train_step`."""
+    packed = pack(batch)
+    return packed, compute_advantages(packed, batch, AdvantageConfig(name="tree"))
 
 
 def main() -> None:
@@ -48,7 +47,7 @@ def main() -> None:
     batch = trees(learner.model_cfg.vocab_size)
     steps = []
     for i in range(2):  # the second step sees the weights the first one wrote
-        steps.append(learner.train_step(step_of(i, batch)))
+        steps.append(learner.train_step(*update_of(batch)).metrics)
     hidden = learner.hidden_states(pack(batch))
     # One forward per tree (a 1-token budget) must give the same hidden states as one for all.
     learner.cfg = dataclasses.replace(
@@ -57,8 +56,7 @@ def main() -> None:
     chunk_diff = float((learner.hidden_states(pack(batch)) - hidden).abs().max())
     # The next step's training forward runs under these weights: the hidden states it leaves for the
     # predictor are the same (one micro-batch per tree here).
-    third = step_of(2, batch)
-    learner.train_step(third)
+    third = learner.train_step(*update_of(batch))
     train_hidden_diff = float((third.hidden - hidden).abs().max())
     if learner.groups.rank == 0:
         with open(out_json, "w") as f:

@@ -13,10 +13,10 @@ import torch
 from transformers import AutoConfig
 
 from trace_mega.config import ParallelConfig
-from trace_mega.learner.attention import tree_attention_mask
 from trace_mega.learner.convert import load_hf_into, save_hf
 from trace_mega.learner.models import build_model, forward_packed, model_config_from_hf, output_weight
 from trace_mega.learner.parallel import destroy_parallel, init_parallel
+from trace_mega.ops.attention import tree_attention_mask
 
 
 def main() -> None:

@@ -18,12 +18,12 @@ from megatron.core import parallel_state
 from transformers import AutoConfig
 
 from trace_mega.config import OptimConfig, ParallelConfig
-from trace_mega.learner.attention import tree_attention_mask
 from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trace_mega.learner.convert import load_hf_into
 from trace_mega.learner.models import build_model, model_config_from_hf
 from trace_mega.learner.optim import build_optimizer, train_step, wrap_ddp
 from trace_mega.learner.parallel import destroy_parallel, init_parallel
+from trace_mega.ops.attention import tree_attention_mask
 
 MICRO_BATCHES = 4
 

@@ -10,7 +10,7 @@ from trace_mega.rollout.engines.vllm_engine import VLLMEngine  # imports vLLM on
 def build_engine(setup: EngineSetup) -> Optional[Engine]:
     """The engine named by `setup.rollout.engine`, started by its own `launch` (call on every rank:
     the engine is returned on the hosting rank, None elsewhere)."""
-    return ENGINES.get(setup.rollout.engine).launch(setup)
+    return ENGINES.check(setup.rollout.engine, "rollout.engine").launch(setup)
 
 
 __all__ = [

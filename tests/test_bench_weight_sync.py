@@ -13,6 +13,7 @@ ASSUME = argparse.Namespace(
 )
 
 
+@pytest.mark.slow
 def test_measured_sync_counts_bytes_per_rank():
     rows = bench._measure(2, reps=1, model=[])  # the demo's tiny policy at learner TP = 2
     assert [r["rank"] for r in rows] == [0, 1]

@@ -15,7 +15,7 @@ import yaml
 from trace_mega.commands.credit_demo import METHODS, method_config, steps_to_threshold, summarize
 from trace_mega.config import TrainConfig, load_yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_steps_to_threshold_trailing_window():

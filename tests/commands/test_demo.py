@@ -9,7 +9,7 @@ import pytest
 
 from trace_mega.kernels._triton_env import env_without_interpreter
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHORT = [
     "steps=2",
     "allocation.prompts_per_step=8",

@@ -12,7 +12,7 @@ import pytest
 
 from trace_mega.commands.launch import expand_nodelist, main, torchrun_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

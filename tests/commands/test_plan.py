@@ -13,7 +13,7 @@ from trace_mega.config import ConfigError, ModelConfig, TrainConfig, load_yaml
 from trace_mega.learner.learner import hf_config
 from trace_mega.learner.models import model_config_from_hf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo_cpu.yaml"
 
 
@@ -174,6 +174,7 @@ def test_checkpoint_config_json_wins_over_cards(tmp_path):
     assert plan_memory(cfg).params_total == _hf_numel(hf)
 
 
+@pytest.mark.slow
 def test_cli_exit_codes():
     cmd = [
         sys.executable,

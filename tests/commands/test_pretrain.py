@@ -14,7 +14,7 @@ from trace_mega.config import RolloutConfig, load_config
 from trace_mega.envs.synthetic_search import SyntheticSearchEnv
 from trace_mega.rollout.agent_loop import AgentLoop
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "steps=6",
     "episodes_per_step=4",

@@ -170,6 +170,7 @@ def test_100mb_of_output_is_truncated_and_stopped(sandbox):
     assert time.monotonic() - start < LIMITS.wall_s
 
 
+@pytest.mark.slow
 def test_a_bomb_does_not_disturb_concurrent_calls(sandbox):
     fork = "import os\nwhile True:\n    os.fork()" if sandbox.isolation == "bwrap" else "import os\nos.fork()"
     bombs = [

@@ -218,11 +218,11 @@ def test_min_distance_and_slip_in_prompt_are_validated():
         SyntheticToolsEnv(slips=[0.25], slip_in_prompt="level")
     with pytest.raises(ValueError, match="min_distance"):
         SyntheticToolsEnv(min_distance=3, max_distance=2)
-    from trace_mega.config import EnvConfig  # typed options: unknown keys are errors
+    from trace_mega.envs import check_env  # typed options: unknown keys are errors where the env is built
 
-    EnvConfig(options={"slips": [0.0, 0.9], "slip_in_prompt": "level", "min_distance": 1}).validate()
+    check_env("synthetic_tools", {"slips": [0.0, 0.9], "slip_in_prompt": "level", "min_distance": 1})
     with pytest.raises(ValueError, match="slip_level"):
-        EnvConfig(options={"slip_level": True}).validate()
+        check_env("synthetic_tools", {"slip_level": True})
 
 
 def test_walls_add_unsolvable_dry_copies_stated_in_the_prompt():

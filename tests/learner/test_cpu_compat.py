@@ -29,6 +29,7 @@ def test_not_applied_for_cuda_device():
     assert cpu_compat.enable_cpu_compat("cuda") is False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the patched problems are those of a CPU-only torch")
 def test_every_patched_problem_exists_unpatched():
     """Unpatched megatron-core (fresh process) still raises each documented error; no patch is spare."""

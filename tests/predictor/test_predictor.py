@@ -108,6 +108,7 @@ def test_replay_batches_are_trained_on():
     assert preds[True] > preds[False] + 0.2
 
 
+@pytest.mark.slow
 def test_anchored_zero_head_is_the_constant_and_decay_weights_replay():
     """anchor_at_mean: an untrained head predicts the previous fit's mean target exactly (skill 0);
     replay_decay weighs an older batch less."""
@@ -208,6 +209,7 @@ def _roots_unlike_prefixes():
     return pack(trees)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anchor", [False, True])
 def test_root_head_separates_roots_from_prefixes_on_shared_features(anchor):
     """root_head: the roots get their own head (and anchor), so a root state that looks like a
@@ -260,6 +262,7 @@ def _prompts_differing_mid_prompt():
     return pack(trees)
 
 
+@pytest.mark.slow
 def test_root_token_bag_reads_a_word_the_last_tokens_state_does_not_carry():
     packed = _prompts_differing_mid_prompt()
     s = predictor_samples(packed)

@@ -44,7 +44,7 @@ __all__ = ["MemoryPlan", "ParamCounts", "count_params", "plan_memory", "model_fo
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CARDS = Path(__file__).resolve().parent / "data" / "hf_configs"
+CARDS = Path(__file__).resolve().parents[1] / "data" / "hf_configs"
 
 
 @dataclass(frozen=True)

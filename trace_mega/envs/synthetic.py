@@ -28,7 +28,7 @@ rendering and parsing path.
   the ice level (``ice 6``: each move fails 60% of the time), so a task near
   ``ice 9`` is nearly hopeless within a few turns; ``min_distance=0`` adds
   goal = start tasks (answer at once: trivial, but a from-scratch policy can
-  settle on always answering at once, docs/allocation.md). The prompt carries
+  settle on always answering at once, docs/results/allocation.md). The prompt carries
   the task's description, never its success probability (which also depends
   on the policy). ``walls=True`` adds the prompts no policy solves, the all-0
   groups of a real prompt set: a copy of the dry tasks whose prompt ends in

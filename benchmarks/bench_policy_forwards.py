@@ -4,7 +4,7 @@ A forward pre-hook on the learner's policy records every call's token count
 and whether it ran with grad; the table lists them per step (each no-grad
 call is a pass for the predictor, the grad ones the training forward) with
 their sums. It only uses `Trainer`, `trainer.learner.policy` and the metrics
-sink, so it measures any checkout of the trainer the same way (docs/step.md
+sink, so it measures any checkout of the trainer the same way (docs/results/step.md
 records the numbers before and after the step record).
 
     python benchmarks/bench_policy_forwards.py [--steps 3] [--json PATH] [key=value ...]

@@ -89,8 +89,8 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
-# The diagnosis table (docs/allocation.md); the prefix-share rows and small_model (≈ 5x slower per
-# step on CPU) run when named in --variants.
+# The diagnosis table (docs/results/allocation.md, "Why the value head lost to a constant, and what fixed it");
+# the prefix-share rows and small_model (≈ 5x slower per step on CPU) run when named in --variants.
 DEFAULT = [n for n in VARIANTS if "prefix share" not in n and not n.startswith("small_model")]
 
 # --failures: trace with the guard ON and its predictions (for planning AND for the guard's held-out

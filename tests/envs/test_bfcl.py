@@ -41,7 +41,7 @@ def test_ground_truth_replay_scores_one_on_every_task(category_env):
 
 
 def test_dropping_a_call_scores_zero(category_env):
-    tasks = category_env.tasks("test")[::2]  # every other task; the full counts are in docs/envs.md
+    tasks = category_env.tasks("test")[::2]  # every other task; the full counts are in docs/results/envs.md
     passed = [t.task_id for t in tasks if replay(category_env, t, corrupt(ground_truth_calls(t), "drop")) != 0.0]
     assert passed == []
 

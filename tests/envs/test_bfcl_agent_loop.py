@@ -21,7 +21,7 @@ log-prob 0; the token stream of a path is the chat template's render of the
 conversation; a continuation branched after the first user turn also scores 1.
 
 Over the full sets (800 tasks; `BFCL_AGENT_LOOP_FULL=1`, 2.5-4 min, not run by
-default), the same scripts through the loop give exactly the replay numbers of docs/envs.md:
+default), the same scripts through the loop give exactly the replay numbers of docs/results/envs.md:
 ground truth 1 on all but the known dataset quirks (task 173 of each category,
 miss_func_49: the parser rejects a ground-truth call), drop 0 on 800/800, alter 0
 on all but tasks 38, 63, 139 (63 and 38 for miss_func). The sample excludes those.
@@ -44,7 +44,7 @@ from trace_mega.rollout.react import ReactScaffold  # noqa: E402
 
 PER_CATEGORY = 5
 # Ground truth the ReAct parser rejects (docs/envs.md, "Dataset quirks"), and altered
-# arguments the official checker cannot see (docs/envs.md, "Measured").
+# arguments the official checker cannot see (docs/results/envs.md, "Measured (full sets, 800 tasks)").
 PARSER_QUIRKS = {
     "multi_turn_base_173",
     "multi_turn_long_context_173",

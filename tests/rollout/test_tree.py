@@ -348,7 +348,7 @@ def test_compression_ratio_realistic_batch():
 
     Prompt 400 tokens (system + tool schemas + question), 120 generated and
     300 observation tokens per turn (multi-hop QA scale). Prints the ratio
-    reported in docs/rollout.md.
+    reported in docs/results/rollout.md ("Compression ratio").
     """
     rng = random.Random(0)
     trees = [

@@ -182,13 +182,22 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Environment-specific keyword arguments (data paths, categories, limits)."""
     tool_timeout_s: float = 10.0
-    """Wall-clock limit for all tool calls of one turn together (they run in order and share it)."""
+    """Wall-clock limit for all tool calls of one turn together (they run in order and share it), counted
+    from when a worker starts them; a turn that runs out is an error observation and changes nothing."""
+    max_concurrent_tool_calls: Optional[int] = None
+    """Most turns whose tool calls run at once on a rollout replica (each turn's calls run in order);
+    None: one worker per live episode, so no episode waits for another's tools."""
     max_tool_calls_per_turn: int = 8
     """Most tool calls one turn may make; a turn with more becomes an error observation and runs none of
     them (bounds the work of a turn and how fast a model can grow the environment state)."""
 
     def validate(self) -> None:
         require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0")
+        require(
+            self.max_concurrent_tool_calls is None or self.max_concurrent_tool_calls >= 1,
+            "max_concurrent_tool_calls",
+            "must be >= 1 (or null: one per live episode)",
+        )
         require(self.max_tool_calls_per_turn >= 1, "max_tool_calls_per_turn", "must be >= 1")
 
 

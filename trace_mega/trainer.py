@@ -94,6 +94,7 @@ class Trainer:
             self.tokenizer,
             cfg.rollout,
             tool_timeout_s=cfg.env.tool_timeout_s,
+            max_concurrent_tool_calls=cfg.env.max_concurrent_tool_calls,
             max_tool_calls_per_turn=cfg.env.max_tool_calls_per_turn,
             layout=layout,
         )

@@ -69,9 +69,10 @@ def test_bare_rollouts_batched_and_token_exact():
     trees = loop.rollout(tasks, [2, 3, 0, 1], seed=7)
     assert [t.prompt_id for t in trees] == [t.task_id for t in tasks]
     assert [len(t.leaves()) for t in trees] == [2, 3, 0, 1]
-    # one engine call per wave, each carrying every live episode
+    # every episode's first turn is in the engine's first step; then one request per turn, whatever
+    # the grouping the scheduler's timing made
     assert [len(p) for p, _ in engine.calls][0] == 6
-    assert len(engine.calls) == max(d for d, c in zip(dists, [2, 3, 0, 1]) if c) + 1
+    assert sum(len(p) for p, _ in engine.calls) == sum(c * (d + 1) for d, c in zip(dists, [2, 3, 0, 1]))
     assert all(s.stop_token_ids == env.stop_token_ids for _, s in engine.calls)
     seen = {tuple(p) for prefixes, _ in engine.calls for p in prefixes}
     for tree, task, d in zip(trees, tasks, dists):
@@ -134,8 +135,9 @@ def test_expand_restores_env_state_at_intermediate_nodes():
             assert [tree.nodes[n].observation for n in p[4:-1]] == ["at 3", "at 2"]
         else:
             assert p[:2] == path[:2] and len(p) == 3
-    assert len(engine.calls) - n_calls == 3  # waves: answer | left | left, answer -> max 3
-    assert [len(x) for x, _ in engine.calls[n_calls:]] == [5, 3, 3]
+    # all 5 continuations start together; then one request per turn: 3 x (left, left, answer) + 2 x answer
+    assert len(engine.calls[n_calls][0]) == 5
+    assert sum(len(x) for x, _ in engine.calls[n_calls:]) == 3 * 3 + 2
     # stored states were not mutated by the continuations
     assert {n: dict(tree.runtime["states"][n].data) for n in path[:4]}.keys() == stored.keys()
     assert all(tree.runtime["states"][n].data["pos"] == stored[n]["pos"] for n in stored)
@@ -222,7 +224,9 @@ class HangingEnv(SyntheticToolsEnv):
 def test_hanging_tool_becomes_timeout_observation():
     env = HangingEnv()
     tok = env.tokenizer
-    loop = AgentLoop(env, ScriptedEngine(oracle(tok, thought=())), tok, cfg(), tool_timeout_s=0.5, tool_workers=2)
+    loop = AgentLoop(
+        env, ScriptedEngine(oracle(tok, thought=())), tok, cfg(), tool_timeout_s=0.5, max_concurrent_tool_calls=2
+    )
     task = next(t for t in icefree(env) if t.meta["start"] == 0 and t.meta["goal"] == 2)
     try:
         (tree,) = loop.rollout([task], [1], seed=0)

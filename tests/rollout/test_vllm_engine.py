@@ -130,6 +130,27 @@ def test_seeded_samples_do_not_depend_on_batch(engine):
     assert engine.generate([PROMPTS[0], PROMPTS[1]], sp)[0].token_ids == both[0].token_ids
 
 
+def test_requests_joining_mid_flight_finish_as_in_one_generate(engine):
+    """`submit` / `poll` (LLMEngine.add_request / step): requests added between steps finish with the
+    tokens of one batched `generate` on the same seeds."""
+    prompts = PROMPTS + [list(range(50, 70)), [7, 7, 7]]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seeds=[21, 22, 23, 24, 25, 26])
+    batched = engine.generate(prompts, sp)
+    one = lambda i: SamplingParams(temperature=1.0, max_new_tokens=8, seed=21 + i)  # noqa: E731
+    for i in range(2):
+        engine.submit(("req", i), prompts[i], one(i))
+    got, steps = {}, 0
+    while engine.in_flight() or len(got) < len(prompts):
+        if steps == 2:
+            for i in range(2, len(prompts)):
+                engine.submit(("req", i), prompts[i], one(i))
+        got.update(engine.poll())
+        steps += 1
+    assert [got[("req", i)].token_ids for i in range(len(prompts))] == [c.token_ids for c in batched]
+    for i, c in enumerate(batched):
+        assert got[("req", i)].logprobs == pytest.approx(c.logprobs, abs=1e-4)
+
+
 def test_update_weights_in_memory_follows_new_weights(engine, models):
     prompt = list(range(200, 270))
     engine.generate([prompt], GREEDY)  # make sure `prompt` is cached

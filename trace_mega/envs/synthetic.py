@@ -51,6 +51,7 @@ import random
 from typing import Any, Optional
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
+from trace_mega.envs.latency import ToolLatency
 from trace_mega.envs.tokenizer import build_tiny_tokenizer
 from trace_mega.rollout.react import ReactScaffold
 
@@ -82,9 +83,16 @@ def _digits(n: int) -> str:
 class _SeededEnv(Env):
     """Common part: a master RNG, the tiny tokenizer, per-state RNGs reseeded on fork."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, tool_latency_ms: float = 0.0, tool_latency_sigma: float = 0.0) -> None:
         self._master = random.Random(seed)
         self.tokenizer = tiny_tokenizer()
+        self.latency = ToolLatency(tool_latency_ms, tool_latency_sigma)
+
+    def _simulate_latency(self, state: EpisodeState) -> None:
+        """Sleep the call's simulated latency (`envs/latency.py`), keyed by the state's RNG position and
+        call count, which it reads without drawing from it."""
+        if self.latency.median_ms:
+            self.latency.wait((hash(state.data["rng"].getstate()), len(state.history)))
 
     @functools.cached_property
     def stop_token_ids(self) -> list[int]:
@@ -114,12 +122,22 @@ class SyntheticEnv(_SeededEnv):
 
     name = "synthetic"
 
-    def __init__(self, num_tasks: int = 64, beta: float = 0.5, num_bits: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_tasks: int = 64,
+        beta: float = 0.5,
+        num_bits: int = 4,
+        seed: int = 0,
+        tool_latency_ms: float = 0.0,
+        tool_latency_sigma: float = 0.0,
+    ) -> None:
+        """`tool_latency_ms` / `tool_latency_sigma`: simulated tool latency (median ms, lognormal sigma;
+        sigma 0 is a fixed delay)."""
         if num_tasks < 1 or num_bits < 0 or beta <= 0:
             raise ValueError(
                 f"synthetic: need num_tasks >= 1, num_bits >= 0, beta > 0 (got {num_tasks}, {num_bits}, {beta})"
             )
-        super().__init__(seed)
+        super().__init__(seed, tool_latency_ms, tool_latency_sigma)
         self.num_bits = num_bits
         draw = random.Random(seed + 1)
         self.p = [draw.betavariate(beta, beta) for _ in range(num_tasks)]
@@ -157,6 +175,7 @@ class SyntheticEnv(_SeededEnv):
         return data
 
     def step(self, state: EpisodeState, call: ToolCall) -> str:
+        self._simulate_latency(state)
         if call.name != "reveal":
             return f"Error: unknown tool {call.name!r}"
         d = state.data
@@ -213,12 +232,16 @@ class SyntheticToolsEnv(_SeededEnv):
         slip_in_prompt: str = "flag",
         walls: bool = False,
         seed: int = 0,
+        tool_latency_ms: float = 0.0,
+        tool_latency_sigma: float = 0.0,
     ) -> None:
         """`slips`: one copy of the task set per slip probability; `min_distance` .. `max_distance`:
         cells between start and goal (0: start on the goal); `slip_in_prompt`: ``flag`` appends
         ``ice`` to slippery prompts, ``level`` appends ``ice N`` with N = 10 * slip (slips must then
         be multiples of 0.1, so the text states the level exactly); `walls`: add one walled copy of
-        the dry tasks with start != goal (``wall`` in the prompt; the goal cannot be entered)."""
+        the dry tasks with start != goal (``wall`` in the prompt; the goal cannot be entered);
+        `tool_latency_ms` / `tool_latency_sigma`: simulated tool latency (median ms, lognormal sigma;
+        sigma 0 is a fixed delay)."""
         if not 2 <= width <= 10 or not 0 <= min_distance <= max_distance < width or max_distance < 1:
             raise ValueError(
                 f"synthetic_tools: need 2 <= width <= 10 and 0 <= min_distance <= max_distance < width, "
@@ -233,7 +256,7 @@ class SyntheticToolsEnv(_SeededEnv):
             )
         if slip_in_prompt == "level" and any(abs(10 * s - round(10 * s)) > 1e-9 for s in slips):
             raise ValueError(f"synthetic_tools: slip_in_prompt=level states slips in tenths; got {list(slips)}")
-        super().__init__(seed)
+        super().__init__(seed, tool_latency_ms, tool_latency_sigma)
         self.width = width
         self.tools = [
             {
@@ -294,6 +317,7 @@ class SyntheticToolsEnv(_SeededEnv):
         return EpisodeState(task=task, data=self._fresh_randomness({"pos": task.meta["start"]}))
 
     def step(self, state: EpisodeState, call: ToolCall) -> str:
+        self._simulate_latency(state)
         if call.name != "move" or call.arguments.get("dir") not in ("left", "right"):
             return f"Error: expected move(dir=left|right), got {call.name}({json.dumps(call.arguments)})"
         state.history.append(call)

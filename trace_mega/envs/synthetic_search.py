@@ -37,6 +37,7 @@ import random
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from trace_mega.envs.base import ENVS, Env, EpisodeState, Task, ToolCall
+from trace_mega.envs.latency import ToolLatency
 from trace_mega.envs.synthetic import call_token
 from trace_mega.envs.tokenizer import build_tiny_tokenizer
 from trace_mega.rollout.react import ReactScaffold
@@ -118,6 +119,8 @@ class SyntheticSearchEnv(Env):
         hops: Sequence[int] = (1, 2, 3),
         pointer_prob: float = 0.3,
         seed: int = 0,
+        tool_latency_ms: float = 0.0,
+        tool_latency_sigma: float = 0.0,
     ) -> None:
         if num_tasks < 1 or num_test_tasks < 0:
             raise ValueError(
@@ -129,6 +132,8 @@ class SyntheticSearchEnv(Env):
             raise ValueError(f"synthetic_search: pointer_prob must be in [0, 1], got {pointer_prob}")
         self.hops = [int(h) for h in hops]
         self.pointer_prob = float(pointer_prob)
+        self.latency = ToolLatency(tool_latency_ms, tool_latency_sigma)
+        self._seed = seed
         self.tokenizer = search_tokenizer()
         self.tools = [
             {
@@ -187,6 +192,10 @@ class SyntheticSearchEnv(Env):
         return EpisodeState(task=state.task, data=dict(state.data), history=list(state.history))
 
     def step(self, state: EpisodeState, call: ToolCall) -> str:
+        # The state has no random stream: the delay is keyed by the path (task, calls so far, this call).
+        self.latency.wait(
+            (self._seed, state.task.task_id, [(c.name, c.arguments) for c in state.history], call.arguments)
+        )
         key = call.arguments.get("key")
         if call.name != "lookup" or key not in state.task.meta["facts"]:
             return f"Error: expected lookup(key) with key one of {' '.join(KEYS)}"

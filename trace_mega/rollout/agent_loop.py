@@ -1,18 +1,29 @@
 """The ReAct agent loop: engine + environment -> rollout trees.
 
 `AgentLoop.rollout` runs bare rollouts for a batch of tasks and
-`AgentLoop.expand` branches continuations from chosen tree nodes. Both drive
-all live episodes in lock step, one `engine.generate` call per turn-wave:
+`AgentLoop.expand` branches continuations from chosen tree nodes. Each episode
+advances on its own (docs/rollout.md, "Scheduling"):
 
-    prefixes of live episodes -> engine.generate (stops at the end of a tool
-    call / turn) -> parse -> tool calls on a thread pool with a timeout ->
-    observation tokens appended -> next wave
+    episode ready -> engine.submit(its prefix) ... engine.poll() hands back its
+    turn (stopped at the end of a tool call / turn) -> parse -> its tool calls
+    start on a worker at once -> observation tokens appended -> ready again
+
+There is no barrier between episodes: while one waits for its tools, the
+others' turns go on in the engine (continuous batching), and a slow or hung
+tool delays only its own episode. The call returns when every episode ended.
 
 A turn may make at most `max_tool_calls_per_turn` calls (more: an error
 observation, none run), and its calls run in order on one fork of the state
-within ONE time budget, `tool_timeout_s`, shared by all of them: when it runs
-out, the turn's calls are reported as timed out and have no effect, and the
-abandoned worker starts no further call of that turn.
+within ONE time budget, `tool_timeout_s`, shared by all of them
+(`trace_mega/rollout/tools.py`): when it runs out, the turn's calls are
+reported as timed out and have no effect. At most `max_concurrent_tool_calls`
+turns run tools at once (default: all live episodes).
+
+Results do not depend on scheduling: an episode's nodes are kept with it while
+it runs and added to its tree when the call ends, in the order (turn, the
+episode's place in the call) — the node numbering of a lock-step loop — and
+all randomness is seeded from the episode (below), so the trees are the same
+whatever the tool latencies, the order in which calls finish, or the limits.
 
 Token layout of a turn node: the generated ids (loss_mask 1, the engine's
 behaviour log-probs) followed by the observation ids (loss_mask 0) rendered
@@ -54,17 +65,19 @@ before it on this process.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import dataclasses
 import hashlib
 import json
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 from trace_mega.config import RolloutConfig
-from trace_mega.envs.base import Env, EpisodeState, ParsedTurn, Task, ToolCall
+from trace_mega.envs.base import Env, EpisodeState, ParsedTurn, Task
 from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
 from trace_mega.rollout.react import ReactScaffold, error_observation
+from trace_mega.rollout.tools import ToolJob, ToolRunner
 from trace_mega.rollout.tree import Node, RolloutTree
 
 
@@ -89,25 +102,45 @@ class RolloutStats:
     final_answers: int = 0
     successes: int = 0
     generate_s: float = 0.0
+    """Seconds inside the engine (`poll`)."""
     tool_s: float = 0.0
+    """Seconds tools ran, summed over turns (concurrent turns each count)."""
+    phase_s: float = 0.0
+    """Wall seconds of the rollout / expand calls."""
+    engine_busy_s: float = 0.0
+    """Wall seconds with at least one request in the engine."""
+    tool_wait_s: float = 0.0
+    """Seconds episodes waited for their tools (from the parsed turn to its observation), summed."""
+    tail_s: float = 0.0
+    """Seconds from 90% to 100% of a call's episodes finished (summed over calls)."""
+    inflight_max: int = 0
+    """Most requests in the engine at once (the max over calls when accumulated)."""
 
     def add(self, other: "RolloutStats") -> None:
         for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
+            setattr(self, k, max(self.inflight_max, v) if k == "inflight_max" else getattr(self, k) + v)
 
 
 @dataclass
 class _Episode:
+    ordinal: int
+    """Place in the call (its engine request id, and the tie-break of the node numbering)."""
     tree_idx: int
-    tip: int
-    """Tree node the next turn attaches under."""
-    owns_tip: bool
-    """True when this episode created `tip` (it may then become the episode's leaf)."""
+    start: int
+    """Tree node the episode's first turn attaches under."""
     prefix: list[int]
     state: EpisodeState
     turns: int
     seed: int
     """The episode's own seed (`derive_seed` of its origin): its engine requests and env draws derive from it."""
+    nodes: list[tuple[int, Node, Optional[EpisodeState]]] = field(default_factory=list)
+    """The episode's turn nodes in order, each with its numbering phase and (non-terminal nodes) the
+    state after it; added to the tree when the call ends (`_commit`)."""
+
+    @property
+    def owns_tip(self) -> bool:
+        """Whether the episode has made a node (its last one may then become the episode's leaf)."""
+        return bool(self.nodes)
 
 
 def derive_seed(*parts: Any) -> int:
@@ -118,34 +151,24 @@ def derive_seed(*parts: Any) -> int:
 
 
 @dataclass
-class _ToolJob:
-    """The tool calls of one turn, run in order on a fork of the episode state (in a pool thread).
+class _Phase:
+    """The running state of one `rollout` / `expand` call."""
 
-    The results are written only by the main thread (from the future's return
-    value, or as timeout errors), so a hung thread that finishes late cannot
-    touch them.
-    """
+    trees: list[RolloutTree]
+    stats: RolloutStats
+    tools: ToolRunner
+    ready: deque
+    """Episodes whose next turn can be submitted."""
+    inflight: dict[int, _Episode] = field(default_factory=dict)
+    """Episodes with a request in the engine, by request id (the episode's ordinal)."""
+    finished_at: list[float] = field(default_factory=list)
+    """perf_counter() of every episode's end (the phase's tail)."""
 
-    step: Callable[[EpisodeState, ToolCall], str]
-    fork: EpisodeState
-    calls: list[ToolCall]
-    state: Optional[EpisodeState] = None
-    """The state after the calls; None when they timed out (the fork must not be used then)."""
-    observations: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def run(self, deadline: float) -> tuple[list[str], float]:
-        """The calls' observations and seconds; `deadline` (time.monotonic) ends the turn's shared budget."""
-        t0 = time.perf_counter()
-        out = []
-        for call in self.calls:
-            if time.monotonic() >= deadline:  # the loop has already given up on this turn: start nothing more
-                break
-            try:
-                out.append(str(self.step(self.fork, call)))
-            except Exception as exc:  # an env must not raise, but a tool bug must not kill the rollout
-                out.append(error_observation(f"tool {call.name!r} failed: {type(exc).__name__}: {exc}"))
-        return out, time.perf_counter() - t0
+    def go_on(self, ep: _Episode, goes_on: bool) -> None:
+        if goes_on:
+            self.ready.append(ep)
+        else:
+            self.finished_at.append(time.perf_counter())
 
 
 @dataclass
@@ -160,8 +183,10 @@ class _PendingTurn:
     parsed: ParsedTurn
     info: dict[str, Any]
     """The node's `info` (finish reason, counts, ...)."""
-    job: Optional[_ToolJob] = None
+    job: Optional[ToolJob] = None
     """The turn's tool calls; None after a parse error or a final answer."""
+    parsed_at: float = 0.0
+    """time.perf_counter() when the turn was parsed (its tool wait starts)."""
     user: Optional[list[dict[str, Any]]] = None
     """Multi-turn tasks: the next user message(s) that follow a final answer."""
 
@@ -177,22 +202,26 @@ class AgentLoop:
         rollout_cfg: RolloutConfig,
         *,
         tool_timeout_s: float = 10.0,
-        tool_workers: int = 8,
+        max_concurrent_tool_calls: Optional[int] = None,
         max_tool_calls_per_turn: int = 8,
+        admission: Optional[Any] = None,
     ) -> None:
-        if tool_timeout_s <= 0 or tool_workers < 1 or max_tool_calls_per_turn < 1:
+        """`admission`: for a replica of several ranks that each run the engine, the object whose
+        `agree(ids)` broadcasts the leader's submissions (`replicas.ReplicaAdmission`); None alone."""
+        if tool_timeout_s <= 0 or max_tool_calls_per_turn < 1 or (max_concurrent_tool_calls or 1) < 1:
             raise ValueError(
-                "need tool_timeout_s > 0, tool_workers >= 1 and max_tool_calls_per_turn >= 1, got "
-                f"{tool_timeout_s}, {tool_workers}, {max_tool_calls_per_turn}"
+                "need tool_timeout_s > 0, max_concurrent_tool_calls >= 1 (or None) and max_tool_calls_per_turn >= 1, "
+                f"got {tool_timeout_s}, {max_concurrent_tool_calls}, {max_tool_calls_per_turn}"
             )
         self.env, self.engine, self.cfg = env, engine, rollout_cfg
         self.scaffold = ReactScaffold(tokenizer)
         # Multi-turn tasks (Env.next_turn overridden): an answer may be followed by a new user turn.
         self._multi_turn = type(env).next_turn is not Env.next_turn
         self.tool_timeout_s = float(tool_timeout_s)
-        self.tool_workers = int(tool_workers)
+        self.max_concurrent_tool_calls = max_concurrent_tool_calls
         self.max_tool_calls_per_turn = int(max_tool_calls_per_turn)
-        self._pool = cf.ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
+        self._tools: Optional[ToolRunner] = None
+        self.admission = admission
         self.stats = RolloutStats()
         self.last_stats = RolloutStats()
 
@@ -228,7 +257,7 @@ class AgentLoop:
             for j in range(int(count)):
                 ep_seed = derive_seed(seed, keys[ti], "rollout", j)
                 self.env.reseed(derive_seed(ep_seed, "fork"))
-                episodes.append(_Episode(ti, 0, False, list(prompt), self.env.fork(root_state), 0, ep_seed))
+                episodes.append(_Episode(len(episodes), ti, 0, list(prompt), self.env.fork(root_state), 0, ep_seed))
         self._run(trees, episodes)
         return trees
 
@@ -267,9 +296,9 @@ class AgentLoop:
                 fork, _why = self._fork(states[node_id], derive_seed(ep_seed, "fork"))
                 episodes.append(
                     _Episode(
+                        len(episodes),
                         tree_idx,
                         node_id,
-                        False,
                         list(prefix),
                         states[node_id] if fork is None else fork,
                         depth,
@@ -295,8 +324,10 @@ class AgentLoop:
             getattr(tree, "runtime", {}).pop("states", None)
 
     def close(self) -> None:
-        """Stop the tool pool (threads of hung tools are left to finish on their own)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the tool workers (threads of hung tools are left to finish on their own)."""
+        if self._tools is not None:
+            self._tools.close()
+            self._tools = None
 
     def __enter__(self) -> "AgentLoop":
         return self
@@ -304,43 +335,119 @@ class AgentLoop:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # --- the wave loop ----------------------------------------------------------
-    def _run(self, trees: list[RolloutTree], live: list[_Episode]) -> None:
-        stats = RolloutStats(episodes=len(live))
+    # --- the scheduler ---------------------------------------------------------
+    def _run(self, trees: list[RolloutTree], episodes: list[_Episode]) -> None:
+        """Advance every episode to its end: submit each ready episode's next turn, poll the engine one
+        step at a time, start a parsed turn's tools at once, re-submit an episode when its observation
+        is attached; wait on tools only when the engine has nothing to do."""
         cfg = self.cfg
-        while live:
-            ready = []
-            for ep in live:
-                if len(ep.prefix) >= cfg.max_total_tokens:
-                    self._finish_truncated(trees[ep.tree_idx], ep, "max_total_tokens", stats)
-                else:
-                    ready.append(ep)
-            if not ready:
-                break
-            sampling = SamplingParams(
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                max_new_tokens=cfg.max_new_tokens_per_turn,
-                stop_token_ids=list(self.scaffold.stop_token_ids),
-                seeds=[derive_seed(ep.seed, "generate", ep.turns) for ep in ready],
-            )
-            t0 = time.perf_counter()
-            completions = self.engine.generate([ep.prefix for ep in ready], sampling)
-            stats.generate_s += time.perf_counter() - t0
-            stats.engine_calls += 1
-            if len(completions) != len(ready):
-                raise RuntimeError(f"engine returned {len(completions)} completions for {len(ready)} prefixes")
-            live, jobs = [], []
-            for ep, comp in zip(ready, completions):
-                turn = self._turn(trees[ep.tree_idx], ep, comp, stats)
-                if turn is not None:
-                    jobs.append(turn)
-            self._run_tools(jobs, stats)
-            for turn in jobs:
-                if self._attach_observation(trees[turn.ep.tree_idx], turn, stats):
-                    live.append(turn.ep)
-        self.last_stats = stats
-        self.stats.add(stats)
+        ph = _Phase(trees, RolloutStats(episodes=len(episodes)), self._tool_runner(len(episodes)), deque(episodes))
+        base = SamplingParams(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens_per_turn,
+            stop_token_ids=list(self.scaffold.stop_token_ids),
+        )
+        t_start = time.perf_counter()
+        try:
+            while True:
+                for ep in [ep for ep in ph.ready if len(ep.prefix) >= cfg.max_total_tokens]:
+                    ph.ready.remove(ep)
+                    self._finish_truncated(ep, "max_total_tokens", ph.stats)
+                    ph.finished_at.append(time.perf_counter())
+                admit = self._admissions(ph)
+                if admit is None:
+                    break
+                for ep in admit:
+                    seed = derive_seed(ep.seed, "generate", ep.turns)
+                    self.engine.submit(ep.ordinal, ep.prefix, dataclasses.replace(base, seed=seed))
+                    ph.inflight[ep.ordinal] = ep
+                ph.stats.inflight_max = max(ph.stats.inflight_max, len(ph.inflight))
+                if ph.inflight:
+                    t0 = time.perf_counter()
+                    done = self.engine.poll()
+                    dt = time.perf_counter() - t0
+                    ph.stats.generate_s += dt
+                    ph.stats.engine_busy_s += dt
+                    ph.stats.engine_calls += 1
+                    for rid, comp in done:
+                        ep = ph.inflight.pop(rid)
+                        turn = self._turn(trees[ep.tree_idx], ep, comp, ph.stats)
+                        if turn is None:
+                            ph.go_on(ep, False)
+                        elif turn.job is None:
+                            ph.go_on(ep, self._attach_observation(trees[ep.tree_idx], turn, ph.stats))
+                        else:
+                            turn.parsed_at = time.perf_counter()
+                            turn.job.payload = turn
+                            ph.tools.start(turn.job)
+                # Block on tools only when the engine is idle (a follower waits in `_admissions`).
+                leads = self.admission is None or self.admission.leader
+                self._tools_done(ph, wait=leads and not ph.inflight and not ph.ready)
+        finally:
+            if ph.inflight or ph.tools.pending():  # an error mid-call: the engine and the workers start clean next time
+                self._abandon(ph.tools)
+        self._commit(trees, episodes)
+        st = ph.stats
+        st.phase_s = time.perf_counter() - t_start
+        if ph.finished_at:
+            at = sorted(ph.finished_at)
+            st.tail_s = at[-1] - at[min(len(at) - 1, int(0.9 * len(at)))]
+        self.last_stats = st
+        self.stats.add(st)
+
+    def _tools_done(self, ph: "_Phase", wait: bool) -> None:
+        """Attach the observations of the turns whose tools finished (or timed out)."""
+        for job in ph.tools.collect(wait=wait):
+            turn = job.payload
+            ph.stats.tool_wait_s += time.perf_counter() - turn.parsed_at
+            ph.stats.tool_s += job.seconds
+            ph.stats.tool_timeouts += int(job.timed_out)
+            ph.stats.tool_calls += len(job.calls)
+            ph.go_on(turn.ep, self._attach_observation(ph.trees[turn.ep.tree_idx], turn, ph.stats))
+
+    def _admissions(self, ph: "_Phase") -> Optional[list[_Episode]]:
+        """The episodes whose next turn goes to the engine now; None when the call is over.
+
+        On its own an engine takes every ready episode. The ranks of a multi-rank replica (vLLM
+        tensor parallel) must feed their engines the same requests in the same order: the leader
+        decides and broadcasts (`admission`), the others wait for those episodes' tools and follow."""
+        busy = bool(ph.ready or ph.inflight or ph.tools.pending())
+        if self.admission is None or self.admission.leader:
+            admit = list(ph.ready) if busy else None
+            if self.admission is not None:
+                self.admission.agree(None if admit is None else [ep.ordinal for ep in admit])
+            ph.ready.clear()
+            return admit
+        ids = self.admission.agree(None)
+        if ids is None:  # the leader's episodes have all ended: so do ours once their tools are back
+            while ph.tools.pending():
+                self._tools_done(ph, wait=True)
+            return None
+        while not set(ids) <= {ep.ordinal for ep in ph.ready}:
+            self._tools_done(ph, wait=True)
+        picked = {ep.ordinal: ep for ep in ph.ready if ep.ordinal in set(ids)}
+        for ep in picked.values():
+            ph.ready.remove(ep)
+        return [picked[i] for i in ids]
+
+    def _tool_runner(self, episodes: int) -> ToolRunner:
+        """The loop's tool workers, at least enough for `episodes` concurrent turns unless capped."""
+        want = self.max_concurrent_tool_calls or max(episodes, 1)
+        if self._tools is None or (self.max_concurrent_tool_calls is None and self._tools.max_concurrent < want):
+            if self._tools is not None:
+                self._tools.close()
+            self._tools = ToolRunner(self.tool_timeout_s, want)
+        return self._tools
+
+    def _abandon(self, tools: ToolRunner) -> None:
+        """Drain the engine's requests and drop the workers after a failed call."""
+        try:
+            while self.engine.in_flight():
+                self.engine.poll()
+        finally:
+            tools.close()
+            self._tools = None
 
     def _turn(self, tree: RolloutTree, ep: _Episode, comp: Completion, stats: RolloutStats) -> Optional[_PendingTurn]:
         """Record one generated turn; returns the pending tool/observation work, or None when the episode ended."""
@@ -377,13 +484,13 @@ class AgentLoop:
             if messages is None:
                 reward = float(self.env.reward(after, parsed.final_answer))
                 stats.successes += int(reward > 0.5)
-                self._add(tree, ep, _node(gen, lp, [], "final", parsed, info, reward=reward))
+                self._add(ep, _node(gen, lp, [], "final", parsed, info, reward=reward), _TURN)
                 return None
             ep.state = after
             info["next_turn"] = True
             if ep.turns >= self.cfg.max_turns:
                 info["truncated"] = "max_turns"
-                self._end(tree, ep, _node(gen, lp, [], "final", parsed, info), stats)
+                self._end(ep, _node(gen, lp, [], "final", parsed, info), stats, _TURN)
                 return None
             return _PendingTurn(ep, gen, lp, parsed, info, user=list(messages))
         if parsed.error is not None:
@@ -391,7 +498,7 @@ class AgentLoop:
             info["error"] = parsed.error
         if ep.turns >= self.cfg.max_turns:  # the limit ends the episode before the call runs
             info["truncated"] = "max_turns"
-            self._end(tree, ep, _node(gen, lp, [], "error" if parsed.error else "tool", parsed, info), stats)
+            self._end(ep, _node(gen, lp, [], "error" if parsed.error else "tool", parsed, info), stats, _TURN)
             return None
         job = None
         if parsed.error is None:
@@ -400,38 +507,8 @@ class AgentLoop:
                 parsed.error, parsed.tool_calls = f"{why}; the tool calls were not run", []
                 info["error"] = parsed.error
             else:
-                job = _ToolJob(self.env.step, fork, parsed.tool_calls)
+                job = ToolJob(self.env.step, fork, parsed.tool_calls)
         return _PendingTurn(ep, gen, lp, parsed, info, job=job)
-
-    def _run_tools(self, turns: list[_PendingTurn], stats: RolloutStats) -> None:
-        """Run the wave's tool jobs on the pool, `tool_workers` at a time; a turn's calls share one timeout."""
-        pending = [t.job for t in turns if t.job is not None]
-        for at in range(0, len(pending), self.tool_workers):
-            chunk = pending[at : at + self.tool_workers]
-            limit = self.tool_timeout_s
-            deadline = time.monotonic() + limit
-            futures = {self._pool.submit(job.run, deadline): job for job in chunk}
-            done, not_done = cf.wait(futures, timeout=limit)
-            for fut in done:
-                job = futures[fut]
-                job.observations, job.seconds = fut.result()
-                job.state = job.fork
-                stats.tool_s += job.seconds
-            for fut in not_done:
-                job = futures[fut]
-                job.observations = [
-                    error_observation(
-                        f"tool call {c.name!r} timed out after {self.tool_timeout_s:g} s (shared by this turn's tool "
-                        "calls); this turn's tool calls had no effect"
-                    )
-                    for c in job.calls
-                ]
-                job.seconds = limit
-                stats.tool_timeouts += 1
-            if not_done:  # hung workers stay busy: later chunks get a fresh pool
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = cf.ThreadPoolExecutor(self.tool_workers, thread_name_prefix="tool")
-            stats.tool_calls += sum(len(j.calls) for j in chunk)
 
     def _attach_observation(self, tree: RolloutTree, turn: _PendingTurn, stats: RolloutStats) -> bool:
         """Append what follows a turn (tool results, an error, or the next user turn); True when the episode goes on."""
@@ -463,36 +540,57 @@ class AgentLoop:
         if len(ep.prefix) + len(gen) + len(obs) > self.cfg.max_total_tokens:
             info["truncated"] = "max_total_tokens"
             info["observation_dropped"] = True
-            self._end(tree, ep, _node(gen, lp, [], kind, parsed, info, "\n".join(observations)), stats)
+            self._end(ep, _node(gen, lp, [], kind, parsed, info, "\n".join(observations)), stats, _OBSERVED)
             return False
-        self._add(tree, ep, _node(gen, lp, obs, kind, parsed, info, "\n".join(observations)))
-        tree.runtime["states"][ep.tip] = ep.state
+        self._add(ep, _node(gen, lp, obs, kind, parsed, info, "\n".join(observations)), _OBSERVED, ep.state)
         ep.prefix += gen + obs
         return True
 
     # --- tree bookkeeping -------------------------------------------------------
     @staticmethod
-    def _add(tree: RolloutTree, ep: _Episode, node: Node) -> None:
-        ep.tip, ep.owns_tip = tree.add_node(ep.tip, node), True
+    def _add(ep: _Episode, node: Node, phase: int, state: Optional[EpisodeState] = None) -> None:
+        """Append a turn node to the episode (`state`: the environment after it, for non-terminal nodes)."""
+        ep.nodes.append((phase, node, state))
 
-    def _end(self, tree: RolloutTree, ep: _Episode, node: Node, stats: RolloutStats) -> None:
+    def _end(self, ep: _Episode, node: Node, stats: RolloutStats, phase: int) -> None:
         """Add `node` as a truncated episode's leaf (reward for 'no answer')."""
         node.reward = float(self.env.reward(ep.state, None))
         stats.truncated_episodes += 1
         stats.successes += int(node.reward > 0.5)
-        self._add(tree, ep, node)
+        self._add(ep, node, phase)
 
-    def _finish_truncated(self, tree: RolloutTree, ep: _Episode, reason: str, stats: RolloutStats) -> None:
+    def _finish_truncated(self, ep: _Episode, reason: str, stats: RolloutStats) -> None:
         """End an episode whose prefix already fills the token budget before its next turn."""
         if ep.owns_tip:  # its last turn node becomes the leaf
-            node = tree.nodes[ep.tip]
+            phase, node, _ = ep.nodes[-1]
             node.reward = float(self.env.reward(ep.state, None))
             node.info["truncated"] = reason
-            tree.runtime["states"].pop(ep.tip, None)
+            ep.nodes[-1] = (phase, node, None)
             stats.truncated_episodes += 1
             stats.successes += int(node.reward > 0.5)
         else:  # nothing generated yet (prompt or branch prefix too long): an empty leaf keeps the budget honest
-            self._end(tree, ep, Node(-1, [], [], [], kind="error", info={"truncated": reason}), stats)
+            self._end(ep, Node(-1, [], [], [], kind="error", info={"truncated": reason}), stats, _BEFORE)
+
+    @staticmethod
+    def _commit(trees: list[RolloutTree], episodes: list[_Episode]) -> None:
+        """Add the episodes' nodes to their trees in the order (turn, phase, episode) — the numbering
+        of a loop that ran every episode's turn k together — and keep the states branching needs."""
+        order = sorted(
+            (k, phase, ep.ordinal, node, state, ep)
+            for ep in episodes
+            for k, (phase, node, state) in enumerate(ep.nodes)
+        )
+        tips = {ep.ordinal: ep.start for ep in episodes}
+        for _, _, ordinal, node, state, ep in order:
+            tree = trees[ep.tree_idx]
+            tips[ordinal] = tree.add_node(tips[ordinal], node)
+            if state is not None:
+                tree.runtime["states"][tips[ordinal]] = state
+
+
+# Numbering phases of a turn's node (`_commit`): an empty leaf for an episode that starts over the
+# token limit, a node that ends the episode at its turn, a node completed by its observation.
+_BEFORE, _TURN, _OBSERVED = 0, 1, 2
 
 
 def _node(

@@ -27,7 +27,7 @@ from trace_mega.envs.base import Env, Task
 from trace_mega.rollout.agent_loop import AgentLoop, RolloutStats
 from trace_mega.rollout.engines import Engine
 from trace_mega.rollout.react import ReactScaffold
-from trace_mega.rollout.replicas import ReplicaLayout, assign_prompts, exchange, stats_delta
+from trace_mega.rollout.replicas import ReplicaLayout, assign_prompts, exchange, replica_admission, stats_delta
 from trace_mega.rollout.tree import RolloutTree
 
 log = logging.getLogger("trace_mega")
@@ -44,12 +44,14 @@ class RolloutCollector:
         cfg: RolloutConfig,
         *,
         tool_timeout_s: float,
+        max_concurrent_tool_calls: Optional[int] = None,
         max_tool_calls_per_turn: int = 8,
         layout: Optional[ReplicaLayout] = None,
     ) -> None:
         self.env, self.engine = env, engine
         self.layout = layout or ReplicaLayout.single()
         self.scaffold = ReactScaffold(tokenizer)
+        admission = replica_admission(self.layout, engine is not None)  # collective
         self.agent = (
             AgentLoop(
                 env,
@@ -57,7 +59,9 @@ class RolloutCollector:
                 tokenizer,
                 cfg,
                 tool_timeout_s=tool_timeout_s,
+                max_concurrent_tool_calls=max_concurrent_tool_calls,
                 max_tool_calls_per_turn=max_tool_calls_per_turn,
+                admission=admission,
             )
             if engine is not None
             else None

@@ -31,7 +31,15 @@ import torch.distributed as dist
 
 from trace_mega.rollout.tree import RolloutTree
 
-__all__ = ["ReplicaLayout", "ReplicaError", "assign_prompts", "exchange", "stats_delta"]
+__all__ = [
+    "ReplicaLayout",
+    "ReplicaError",
+    "ReplicaAdmission",
+    "replica_admission",
+    "assign_prompts",
+    "exchange",
+    "stats_delta",
+]
 
 
 class ReplicaError(RuntimeError):
@@ -93,6 +101,46 @@ class ReplicaLayout:
             return cls.single()
         r = dist.get_rank()
         return cls(r, dist.get_world_size(), True, r)
+
+
+class ReplicaAdmission:
+    """The replica leader's engine admissions, followed by the replica's other ranks.
+
+    A replica whose every rank runs the engine (vLLM tensor parallel, `external_launcher`) needs
+    the same requests in the same order on every rank; with per-episode scheduling, when an
+    episode is ready depends on its tools' timing, which differs between ranks. So before each
+    engine step the leader broadcasts the request ids it submits (None: the call is over) and
+    the others submit exactly those (`AgentLoop._admissions`), never by their own timing.
+    """
+
+    def __init__(self, group: Any, leader_rank: int, leader: bool) -> None:
+        self.group, self.leader_rank, self.leader = group, leader_rank, leader
+
+    def agree(self, ids: Optional[list[int]]) -> Optional[list[int]]:
+        """The leader's `ids` on every rank of the replica (a small object broadcast)."""
+        box = [ids if self.leader else None]
+        dist.broadcast_object_list(box, src=self.leader_rank, group=self.group)
+        return box[0]
+
+
+def replica_admission(layout: ReplicaLayout, runs_engine: bool) -> Optional[ReplicaAdmission]:
+    """This rank's `ReplicaAdmission` when some replica's non-leader ranks also run an engine, else
+    None. Collective over the world (every rank calls it): the ranks agree whether any follower runs
+    an engine, then build one gloo group per replica (consecutive ranks, as vLLM's external launcher
+    groups them)."""
+    if not dist.is_initialized() or dist.get_world_size() == layout.num_replicas:
+        return None  # one rank per replica: nothing to follow
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(runs_engine and not layout.leader))
+    if not any(flags):
+        return None
+    size = dist.get_world_size() // layout.num_replicas
+    mine = None
+    for r in range(layout.num_replicas):  # new_group is collective: every rank makes every group
+        group = dist.new_group(list(range(r * size, (r + 1) * size)), backend="gloo")
+        if r == layout.replica:
+            mine = ReplicaAdmission(group, r * size, layout.leader)
+    return mine
 
 
 def assign_prompts(work: Sequence[int], num_replicas: int) -> list[int]:

@@ -6,6 +6,17 @@ or of the turn), at `max_new_tokens`, or at the engine's EOS. Engines that can
 reuse the KV cache of shared prefixes (branching from a tree node) report per
 completion how many prefill tokens they avoided (the agent loop sums them).
 
+Two ways in (docs/engines.md):
+* request level, what the agent loop uses: `submit(request_id, prefix,
+  sampling)` hands the engine one request whenever it is ready, and each
+  `poll()` advances the engine by one scheduling step and returns the requests
+  that finished in it. An engine with continuous batching (torch, vLLM) lets
+  new requests join between decode steps; the base class's fallback runs the
+  requests queued since the last poll as one `generate` call.
+* batch level: `generate(prefixes, sampling)` returns one completion per prefix.
+A request's tokens depend only on its prefix and seed, never on what else is
+in the engine (up to float rounding of batched kernels).
+
 A training run starts its engine with `build_engine(EngineSetup)`
 (engines/__init__.py): the registered class's `launch` reads its own
 construction arguments from the setup and prepares what it needs to start
@@ -18,7 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Optional
+from typing import Any, Callable, Hashable, Iterable, Literal, Optional
 
 import torch
 
@@ -45,6 +56,10 @@ class SamplingParams:
         if self.seeds is not None:
             return int(self.seeds[i])
         return None if self.seed is None else self.seed + i
+
+    def batch_key(self) -> tuple:
+        """What requests must share to be sampled in one batch (everything but the seeds)."""
+        return (self.temperature, self.top_p, self.max_new_tokens, tuple(self.stop_token_ids))
 
 
 @dataclass
@@ -91,7 +106,12 @@ class EngineSetup:
 
 
 class Engine(ABC):
-    """Base class of rollout engines."""
+    """Base class of rollout engines.
+
+    Subclasses implement `generate` (and may rely on the batch-per-poll fallback of
+    `submit` / `poll`), or implement `submit` / `poll` / `in_flight` with continuous batching
+    and get `generate` from `generate_by_requests`.
+    """
 
     @classmethod
     def launch(cls, setup: EngineSetup) -> Optional["Engine"]:
@@ -102,6 +122,67 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         """Sample one continuation per prefix."""
+
+    def submit(self, request_id: Hashable, prefix: list[int], sampling: SamplingParams) -> None:
+        """Queue one request; `sampling.seed` is its seed (`seeds` is ignored). Ids must be unique
+        among the requests in flight."""
+        queue = self.__dict__.setdefault("_queued", {})
+        if request_id in queue:
+            raise ValueError(f"submit: request {request_id!r} is already in flight")
+        if not prefix:
+            raise ValueError("submit: a request needs at least one prefix token")
+        queue[request_id] = (list(prefix), sampling)
+
+    def poll(self) -> list[tuple[Hashable, Completion]]:
+        """Advance by one scheduling step; the (request id, completion) pairs that finished in it.
+
+        Fallback for engines without continuous batching: everything queued since the last
+        poll runs as one `generate` call per distinct sampling setting, and all of it finishes.
+        """
+        queue = self.__dict__.pop("_queued", {})
+        groups: dict[tuple, list[Hashable]] = {}
+        for rid, (_, sampling) in queue.items():
+            groups.setdefault(sampling.batch_key(), []).append(rid)
+        done = []
+        for ids in groups.values():
+            first = queue[ids[0]][1]
+            batch = SamplingParams(
+                temperature=first.temperature,
+                top_p=first.top_p,
+                max_new_tokens=first.max_new_tokens,
+                stop_token_ids=list(first.stop_token_ids),
+                seeds=[queue[r][1].request_seed(0) for r in ids],
+            )
+            if any(s is None for s in batch.seeds):
+                batch.seeds = None  # unseeded requests: the engine's own randomness
+            completions = self.generate([queue[r][0] for r in ids], batch)
+            if len(completions) != len(ids):
+                raise RuntimeError(f"engine returned {len(completions)} completions for {len(ids)} prefixes")
+            done += list(zip(ids, completions))
+        return done
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet returned by `poll`."""
+        return len(self.__dict__.get("_queued", {}))
+
+    def generate_by_requests(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """`generate` through `submit` / `poll` (for engines whose native path is request level)."""
+        if self.in_flight():
+            raise RuntimeError("generate: the engine has requests in flight; poll them first")
+        for i, prefix in enumerate(prefixes):
+            one = SamplingParams(
+                sampling.temperature,
+                sampling.top_p,
+                sampling.max_new_tokens,
+                list(sampling.stop_token_ids),
+                seed=sampling.request_seed(i),
+            )
+            self.submit(i, prefix, one)
+        out: list[Optional[Completion]] = [None] * len(prefixes)
+        while self.in_flight():
+            for i, comp in self.poll():
+                out[i] = comp
+        return out  # type: ignore[return-value]
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

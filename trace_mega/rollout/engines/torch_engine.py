@@ -33,9 +33,9 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -119,14 +119,20 @@ class PrefixKVCache:
 
 @dataclass
 class _Row:
-    """One request inside a batch."""
+    """One request: waiting, then a row of the running batch."""
 
-    index: int
-    """Position in the caller's `prefixes`."""
+    rid: Hashable
     prefix: list[int]
-    source: Optional[_Entry]
+    sampling: SamplingParams
+    gen: Optional[torch.Generator] = None
+    """The request's own sampler stream (seeded `sampling.seed`)."""
+    source: Optional[_Entry] = None
     """Cached sequence whose first `reuse` KV columns are copied in."""
-    reuse: int
+    reuse: int = 0
+    counted: int = 0
+    """Prefill tokens credited as served from the cache."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
 
 
 @ENGINES.register("torch")
@@ -180,7 +186,15 @@ class TorchEngine(Engine):
         self.max_batch_size = max_batch_size
         self.cache = PrefixKVCache(cache_max_tokens)
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else _model_eos_ids(net)
+        self._eos = set(self.eos_token_ids)
         self._offloaded = False
+        # Request-level state: waiting requests, and the running batch (rows, their KV
+        # [B, kv_heads, C, head_dim] per layer, attention mask [B, C], next positions [B] and the
+        # logits [B, V] their next token is sampled from).
+        self._ids: set[Hashable] = set()
+        self._waiting: deque[_Row] = deque()
+        self._rows: list[_Row] = []
+        self._kv = self._mask = self._logits = self._pos = None
 
     @classmethod
     def launch(cls, setup: EngineSetup) -> Optional["TorchEngine"]:
@@ -206,6 +220,8 @@ class TorchEngine(Engine):
         embeddings share storage, so either name updates both. The prefix
         cache holds KV of the old weights and is dropped.
         """
+        if self._ids:
+            raise RuntimeError(f"update_weights: {len(self._ids)} requests are in flight; poll them to the end first")
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         for name, tensor in named_tensors:
@@ -236,28 +252,117 @@ class TorchEngine(Engine):
         self.cache.clear()
 
     # --------------------------------------------------------------- generation
-    @torch.no_grad()
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        if any(len(p) == 0 for p in prefixes):
-            raise ValueError("generate: every prefix needs at least one token")
         if sampling.max_new_tokens < 1:
             raise ValueError("generate: max_new_tokens must be >= 1")
-        gens = [self._generator(sampling.request_seed(i)) for i in range(len(prefixes))]
-        hit_before = self._warm_shared_prefixes(prefixes) if self.enable_prefix_caching else {}
-        rows, counted = [], {}
-        for i, p in enumerate(prefixes):
-            source, reuse = self._lookup(p)
-            rows.append(_Row(i, list(p), source, reuse))
+        return self.generate_by_requests(prefixes, sampling)
+
+    def submit(self, request_id: Hashable, prefix: list[int], sampling: SamplingParams) -> None:
+        if not prefix:
+            raise ValueError("submit: a request needs at least one prefix token")
+        if sampling.max_new_tokens < 1:
+            raise ValueError("submit: max_new_tokens must be >= 1")
+        if request_id in self._ids:
+            raise ValueError(f"submit: request {request_id!r} is already in flight")
+        self._ids.add(request_id)
+        self._waiting.append(_Row(request_id, list(prefix), sampling, self._generator(sampling.request_seed(0))))
+
+    def in_flight(self) -> int:
+        return len(self._ids)
+
+    @torch.no_grad()
+    def poll(self) -> list[tuple[Hashable, Completion]]:
+        """One engine step: admit waiting requests into free batch slots (prefilled together, on
+        top of their cached prefix KV), sample one token for every running row, retire the rows
+        that stopped, and run one decode forward for the rest."""
+        self._admit()
+        if not self._rows:
+            return []
+        first = self._rows[0].sampling
+        tok, lp = _sample(self._logits, first, [r.gen for r in self._rows])
+        done, keep, fed = [], [], []
+        for j, row in enumerate(self._rows):
+            t = int(tok[j])
+            row.tokens.append(t)
+            row.logprobs.append(float(lp[j]))
+            stop = t in row.sampling.stop_token_ids or t in self._eos
+            if stop or len(row.tokens) >= row.sampling.max_new_tokens:
+                if self.enable_prefix_caching:
+                    seq = row.prefix + row.tokens[:-1]  # the last sampled token has no KV yet
+                    self.cache.insert(seq, self._row_kv(self._kv, self._mask, j))
+                comp = Completion(row.tokens, row.logprobs, "stop" if stop else "length", row.counted)
+                done.append((row.rid, comp))
+                self._ids.discard(row.rid)
+            else:
+                keep.append(j)
+                fed.append(t)
+        if len(keep) < len(self._rows):
+            self._select(keep)
+        if self._rows:
+            self._mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], 1)
+            out = self.model(
+                input_ids=torch.tensor(fed, device=self.device)[:, None],
+                attention_mask=self._mask,
+                position_ids=self._pos[:, None],
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: self._kv},
+            )
+            self._logits = out.logits[:, -1].float()
+            self._pos = self._pos + 1
+        return done
+
+    def _admit(self) -> None:
+        """Move waiting requests into the running batch (up to `max_batch_size` rows; requests whose
+        sampling setting differs from the running rows' wait until those are done)."""
+        free = self.max_batch_size - len(self._rows)
+        if free <= 0 or not self._waiting:
+            return
+        key = (self._rows[0] if self._rows else self._waiting[0]).sampling.batch_key()
+        admit, later = [], deque()
+        while self._waiting:
+            row = self._waiting.popleft()
+            (admit if len(admit) < free and row.sampling.batch_key() == key else later).append(row)
+        self._waiting = later
+        if not admit:
+            return
+        hit_before = self._warm_shared_prefixes([r.prefix for r in admit]) if self.enable_prefix_caching else {}
+        for row in admit:
+            row.source, row.reuse = self._lookup(row.prefix)
             # The first of identical prefixes paid the warm-up prefill: count its tokens as fresh.
-            counted[i] = hit_before.pop(tuple(p), reuse)
-        # Group rows that copy from the same cached sequence so batches pad little.
-        rows.sort(key=lambda r: (id(r.source), -r.reuse, len(r.prefix)))
-        out: list[Optional[Completion]] = [None] * len(prefixes)
-        for start in range(0, len(rows), self.max_batch_size):
-            for index, comp in self._decode(rows[start : start + self.max_batch_size], sampling, gens):
-                comp.cached_prefix_tokens = counted[index]
-                out[index] = comp
-        return out  # type: ignore[return-value]
+            row.counted = hit_before.pop(tuple(row.prefix), row.reuse)
+        # Rows that copy from the same cached sequence side by side: the prefill pads little.
+        admit.sort(key=lambda r: (id(r.source), -r.reuse, len(r.prefix)))
+        kv, mask, logits = self._prefill(admit)
+        pos = torch.tensor([len(r.prefix) for r in admit], device=self.device)
+        if not self._rows:
+            self._rows, self._kv, self._mask, self._logits, self._pos = admit, kv, mask, logits, pos
+            return
+        # Join the running batch: both blocks end at the column of their last fed token, so the
+        # shorter one is left-padded (masked) to the longer; positions are per row, pads shift nothing.
+        width = max(self._mask.shape[1], mask.shape[1])
+        for old, new in zip(self._kv.layers, kv.layers):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        self._mask = torch.cat([_left_pad(self._mask, width, dim=1), _left_pad(mask, width, dim=1)])
+        self._rows = self._rows + admit
+        self._logits = torch.cat([self._logits, logits])
+        self._pos = torch.cat([self._pos, pos])
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep batch rows `keep`; drop leading columns no remaining row attends to."""
+        self._rows = [self._rows[j] for j in keep]
+        if not keep:
+            self._kv = self._mask = self._logits = self._pos = None
+            return
+        sel = torch.tensor(keep, device=self.device)
+        self._kv.batch_select_indices(sel)
+        self._mask, self._pos = self._mask[sel], self._pos[sel]
+        start = int(self._mask.any(0).long().argmax())
+        if start > 0:
+            self._mask = self._mask[:, start:]
+            for layer in self._kv.layers:
+                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
 
     def _warm_shared_prefixes(self, prefixes: list[list[int]]) -> dict[tuple, int]:
         """Prefill once every prefix that several requests share, leaving its KV in the cache.
@@ -276,7 +381,7 @@ class TorchEngine(Engine):
             source, reuse = self._lookup(list(key))
             hit_before[key] = reuse
             if reuse < len(key) - 1:
-                todo.append(_Row(-1, list(key[:-1]), source, reuse))
+                todo.append(_Row(None, list(key[:-1]), None, source=source, reuse=reuse))
         for start in range(0, len(todo), self.max_batch_size):
             chunk = todo[start : start + self.max_batch_size]
             cache, mask, _ = self._prefill(chunk, need_logits=False)
@@ -350,56 +455,21 @@ class TorchEngine(Engine):
         cols = mask[b].nonzero().squeeze(1)
         return [(layer.keys[b][:, cols].clone(), layer.values[b][:, cols].clone()) for layer in cache.layers]
 
-    def _decode(self, rows: list[_Row], sampling: SamplingParams, gens: list[torch.Generator]):
-        """Prefill `rows` together, then sample until every row stops; yields (index, Completion)."""
-        cache, mask, logits = self._prefill(rows)
-        stop = set(sampling.stop_token_ids) | set(self.eos_token_ids)
-        tokens: list[list[int]] = [[] for _ in rows]
-        lps: list[list[float]] = [[] for _ in rows]
-        alive = list(range(len(rows)))  # batch position -> row
-        next_pos = torch.tensor([len(r.prefix) for r in rows], device=self.device)
-        while True:
-            tok, lp = _sample(logits, sampling, [gens[rows[a].index] for a in alive])
-            keep, fed = [], []
-            for j, a in enumerate(alive):
-                t = int(tok[j])
-                tokens[a].append(t)
-                lps[a].append(float(lp[j]))
-                done = t in stop or len(tokens[a]) >= sampling.max_new_tokens
-                if done:
-                    reason = "stop" if t in stop else "length"
-                    if self.enable_prefix_caching:
-                        seq = rows[a].prefix + tokens[a][:-1]  # the last sampled token has no KV yet
-                        self.cache.insert(seq, self._row_kv(cache, mask, j))
-                    yield rows[a].index, Completion(tokens[a], lps[a], reason)
-                else:
-                    keep.append(j)
-                    fed.append(t)
-            if not keep:
-                return
-            if len(keep) < len(alive):
-                sel = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(sel)
-                mask = mask[sel]
-                next_pos = next_pos[sel]
-            alive = [alive[j] for j in keep]
-            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=self.device)], 1)
-            out = self.model(
-                input_ids=torch.tensor(fed, device=self.device)[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-            logits = out.logits[:, -1].float()
-            next_pos = next_pos + 1
-
     def _generator(self, seed: Optional[int]) -> torch.Generator:
         g = torch.Generator(device=self.device)
         # Unseeded requests still get independent streams, drawn from torch's global RNG.
         g.manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
         return g
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
+    """`t` left-padded with zeros along `dim` (the sequence axis) to `width`."""
+    pad = width - t.shape[dim]
+    if pad == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t.new_zeros(shape), t], dim)
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingParams, gens: list[torch.Generator]):

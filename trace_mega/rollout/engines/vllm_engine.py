@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Hashable, Iterable, Optional, Union
 
 import torch
 
@@ -137,6 +137,9 @@ class VLLMEngine(Engine):
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first vLLM engine of the process"
             )
         self._vllm = vllm
+        self._ids: dict[str, Hashable] = {}
+        """External vLLM request id -> the caller's id, for the requests in flight."""
+        self._next_id = 0
 
     @classmethod
     def launch(cls, setup: EngineSetup) -> Optional["VLLMEngine"]:
@@ -167,34 +170,56 @@ class VLLMEngine(Engine):
     def generate(self, prefixes: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         if any(len(p) == 0 for p in prefixes):
             raise ValueError("generate: every prefix needs at least one token")
-        if self._asleep:
-            raise RuntimeError("generate: the engine is asleep; call wake_up() first")
+        self._check_awake("generate")
         from vllm.inputs import TokensPrompt
 
-        stop = sorted(set(sampling.stop_token_ids) | set(self.eos_token_ids))
-        params = [
-            self._vllm.SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_tokens=sampling.max_new_tokens,
-                stop_token_ids=stop,
-                logprobs=0,
-                detokenize=False,
-                seed=sampling.request_seed(i),
-            )
-            for i in range(len(prefixes))
-        ]
+        params = [self._params(sampling, sampling.request_seed(i)) for i in range(len(prefixes))]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prefixes]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        completions = []
-        for out in outputs:
-            seq = out.outputs[0]
-            ids = list(seq.token_ids)
-            # Each step's dict holds the sampled token (logprobs=0 asks for no extra top-k).
-            lps = [float(step[t].logprob) for t, step in zip(ids, seq.logprobs)]
-            cached = int(out.num_cached_tokens or 0)
-            completions.append(Completion(ids, lps, "stop" if seq.finish_reason == "stop" else "length", cached))
-        return completions
+        return [_completion(out) for out in self.llm.generate(prompts, params, use_tqdm=False)]
+
+    def submit(self, request_id: Hashable, prefix: list[int], sampling: SamplingParams) -> None:
+        """`LLMEngine.add_request` in this process: the request joins the running batch at the
+        engine's next step (vLLM's continuous batching and prefix caching as for `generate`)."""
+        if not prefix:
+            raise ValueError("submit: a request needs at least one prefix token")
+        self._check_awake("submit")
+        if request_id in self._ids.values():
+            raise ValueError(f"submit: request {request_id!r} is already in flight")
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self._params(sampling, sampling.request_seed(0))
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # step() returns a request once, when it ends
+        # The same external id sequence on every rank of a replica (vLLM adds its own random suffix
+        # internally and hands outputs back under this id).
+        key = f"tm-{self._next_id}"
+        self._next_id += 1
+        self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(prefix)), params)
+        self._ids[key] = request_id
+
+    def poll(self) -> list[tuple[Hashable, Completion]]:
+        """One `LLMEngine.step()`: the requests that finished in it."""
+        if not self._ids:
+            return []
+        return [(self._ids.pop(out.request_id), _completion(out)) for out in self.llm.llm_engine.step() if out.finished]
+
+    def in_flight(self) -> int:
+        return len(self._ids)
+
+    def _params(self, sampling: SamplingParams, seed: Optional[int]):
+        return self._vllm.SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=sorted(set(sampling.stop_token_ids) | set(self.eos_token_ids)),
+            logprobs=0,
+            detokenize=False,
+            seed=seed,
+        )
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"{what}: the engine is asleep; call wake_up() first")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into the running model in memory, then drop the stale prefix cache.
@@ -266,6 +291,16 @@ def _retie_lm_head(model: torch.nn.Module) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None:
         method.process_weights_after_loading(head)
+
+
+def _completion(out) -> Completion:
+    """A finished `RequestOutput` as a `Completion` (each step's log-prob dict holds the sampled token:
+    `logprobs=0` asks for no extra top-k)."""
+    seq = out.outputs[0]
+    ids = list(seq.token_ids)
+    lps = [float(step[t].logprob) for t, step in zip(ids, seq.logprobs)]
+    reason = "stop" if seq.finish_reason == "stop" else "length"
+    return Completion(ids, lps, reason, int(out.num_cached_tokens or 0))
 
 
 def _checkpoint_eos_ids(model_dir: Union[str, os.PathLike]) -> list[int]:

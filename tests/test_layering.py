@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sim",),  # the allocation simulator (ground-truth success probabilities)
     ("rollout",),  # engines, agent loop, replicas, the step's collector
     ("learner",),  # the Megatron-Core backend
-    ("step", "sampler", "telemetry", "evaluation"),  # the step record and the loop's helpers
+    ("step", "sampler", "telemetry", "evaluation", "stopping"),  # the step record and the loop's helpers
     ("trainer",),
     ("commands", "__main__"),  # the `trace-mega` commands
 ]

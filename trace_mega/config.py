@@ -308,8 +308,13 @@ class OptimConfig:
     epochs_per_step: int = 1
     """Passes over the step's mini-batches. With 1 mini-batch and 1 epoch the update is on-policy
     (the old log-probs are the current ones, so PPO's ratio is exactly 1)."""
+    max_consecutive_skipped: int = 5
+    """Stop the run (after a checkpoint, with `checkpoint.dir`) once this many steps in a row were
+    skipped: a step counts as skipped when any of its optimiser steps had a non-finite loss or
+    gradient norm and so updated nothing (`loss/skipped` > 0). 0: never stop."""
 
     def validate(self) -> None:
+        require(self.max_consecutive_skipped >= 0, "max_consecutive_skipped", "must be >= 0 (0: never stop)")
         require(self.lr > 0, "lr", "must be > 0")
         require(self.mini_batches_per_step >= 1, "mini_batches_per_step", "must be >= 1")
         require(self.epochs_per_step >= 1, "epochs_per_step", "must be >= 1")
@@ -441,11 +446,24 @@ class CheckpointConfig:
     export_hf_at_end: bool = False
     """When training ends, write the policy as an HF checkpoint to `<telemetry.out_dir>/hf`
     (safetensors, config.json, tokenizer, generation config; what `trace-mega export` writes)."""
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that stop the run cleanly (with `dir` set): every rank finishes the current step,
+    checkpoints it and exits with code 75, which scripts/slurm/train.sbatch turns into a requeue
+    (docs/operations.md "Preemption"). [] leaves every signal's default action."""
+    exit_after_minutes: Optional[float] = None
+    """Wall-clock limit of this process in minutes: the first step boundary past it stops the run as
+    an exit signal does (None: no limit; needs `dir`)."""
 
     def validate(self) -> None:
         require(self.every_steps >= 1, "every_steps", "must be >= 1")
         require(self.keep_last >= 0, "keep_last", "must be >= 0 (0 keeps every checkpoint)")
         require(self.keep_every is None or self.keep_every >= 0, "keep_every", "must be >= 0 (or null)")
+        known = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT")
+        for name in self.exit_signals:
+            require(name in known, "exit_signals", f"{name!r} is not one of {', '.join(known)}")
+        if self.exit_after_minutes is not None:
+            require(self.exit_after_minutes > 0, "exit_after_minutes", "must be > 0 (or null)")
+            require(self.dir is not None, "exit_after_minutes", "needs checkpoint.dir (the run stops to resume)")
 
 
 @dataclass

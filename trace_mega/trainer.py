@@ -49,6 +49,7 @@ from trace_mega.rollout.replicas import ReplicaLayout
 from trace_mega.rollout.tree import PackedTrees
 from trace_mega.sampler import PromptSampler, SamplerState
 from trace_mega.step import StepBatch
+from trace_mega.stopping import Stop, StopWatch, report_exit
 from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer, tree_metrics
 
 log = logging.getLogger("trace_mega")
@@ -117,13 +118,22 @@ class Trainer:
         if self.is_main:  # the resolved config of the run (`trace-mega export --run OUT_DIR` reads it)
             save_yaml(cfg, Path(cfg.telemetry.out_dir) / "config.yaml")
         self.gpu = GpuProbe()
+        # Without a checkpoint directory a signal keeps its default action: there is nothing to save.
+        self.stops = StopWatch(
+            cfg.checkpoint.exit_signals if cfg.checkpoint.dir else [],
+            cfg.checkpoint.exit_after_minutes,
+            cfg.optim.max_consecutive_skipped,
+            self.learner.groups.device,
+        )
         self.step = 0
         self.use_fallback = self.guard.fallback  # an unmeasured predictor does not plan step 0
         self.learner.sync_weights(self.rollouts.engine)  # the engine starts from the learner's initial weights
         self._resume()
 
     # --- the loop ------------------------------------------------------------------
-    def train(self) -> None:
+    def train(self) -> Optional[Stop]:
+        """Train to `cfg.steps`; returns the `Stop` when the run stopped early, after checkpointing the
+        step it ended on (an exit signal, the wall-clock limit, or too many skipped steps)."""
         cfg = self.cfg
         steps = range(self.step, cfg.steps)
         for step in tqdm(steps, desc="train", disable=not (self.is_main and cfg.telemetry.progress_bars)):
@@ -176,9 +186,17 @@ class Trainer:
             self.step = step + 1
             metrics |= self._validate()
             self.sink.log(step, metrics, tag=f"[{allocator.name}] ")
-            self._maybe_checkpoint()
+            saved = self._maybe_checkpoint()
+            stop = self.stops.check(step, metrics)
+            if stop is not None and self.step < cfg.steps:  # the last step ends the run anyway
+                if not saved and cfg.checkpoint.dir is not None:
+                    self._checkpoint()
+                log.warning("%s", stop.message)
+                report_exit(stop)
+                return stop
         if cfg.checkpoint.export_hf_at_end:
             self.export_hf(Path(cfg.telemetry.out_dir) / "hf")
+        return None
 
     # --- components' glue -------------------------------------------------------------
     def _predict(self, packed: PackedTrees, nodes: torch.Tensor, allocator: Allocator) -> torch.Tensor:
@@ -222,10 +240,16 @@ class Trainer:
             "config": to_dict(self.cfg),
         }
 
-    def _maybe_checkpoint(self) -> None:
+    def _maybe_checkpoint(self) -> bool:
+        """Checkpoint when the step is due (`every_steps`, the last step); whether it did."""
         ck = self.cfg.checkpoint
         if ck.dir is None or (self.step % ck.every_steps and self.step != self.cfg.steps):
-            return
+            return False
+        self._checkpoint()
+        return True
+
+    def _checkpoint(self) -> None:
+        ck = self.cfg.checkpoint
         state = self.predictor.state_dict()
         # Rank 0 writes the predictor beside the step dir inside the save, before `latest` moves (so a
         # kill never pairs it with another step); it is in the step's manifest and pruned with it.
@@ -237,6 +261,7 @@ class Trainer:
             extras={f"predictor_{self.step:08d}.pt": lambda path: torch.save(state, path)},
             keep_last=ck.keep_last,
             keep_every=ck.keep_every,
+            rank_state={"predictor_fit": self.predictor.fit_state()},  # per rank: its replay share
         )
 
     def _resume(self) -> None:
@@ -252,6 +277,11 @@ class Trainer:
         self.guard.load_state_dict(state["guard"])
         pred = Path(ck.dir) / f"predictor_{self.step:08d}.pt"
         self.predictor.load_state_dict(torch.load(pred, map_location=self.learner.groups.device))
+        rank_state = state["rank_state"] or {}
+        if "predictor_fit" in rank_state:
+            self.predictor.load_fit_state(rank_state["predictor_fit"])
+        else:  # another world size (the replay shares differ) or an older checkpoint
+            log.warning("the predictor resumes with a fresh optimiser and an empty replay window")
         self.learner.sync_weights(self.rollouts.engine)
         log.info("resumed from %s at step %d", Path(ck.dir) / f"step_{self.step:08d}", self.step)
 
@@ -288,6 +318,7 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        self.stops.close()
         self.sink.close()
         self.rollouts.close()
         self.env.close()

@@ -2,15 +2,18 @@
 
 import os
 import shlex
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from trace_mega.commands.launch import expand_nodelist, main, torchrun_args
+from trace_mega.commands.launch import expand_nodelist, main, run_torchrun, torchrun_args
+from trace_mega.stopping import EXIT_FILE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,6 +123,40 @@ def test_sbatch_runs_one_launcher_per_node_through_srun(tmp_path):
     cmd = shlex.split(proc.stdout)
     assert "gpu3:29509" in cmd and cmd[cmd.index("--nnodes") + 1] == "2"
     assert cmd[-5:] == ["trace_mega", "train", "--config", "qwen3_14b_multihop", "steps=5"]
+
+
+def test_sbatch_passes_usr1_to_srun_and_requeues_on_a_clean_stop(tmp_path):
+    """SLURM's warning (USR1 to the batch shell, `--signal=B:USR1@120`) reaches srun; a run that stops
+    cleanly (exit 75, here a stand-in srun) has the script requeue the job and exit 75 itself."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {
+        "srun": 'trap \'echo "$*" > "$LOG/srun"; exit 75\' USR1\ntouch "$LOG/ready"\nwhile :; do sleep 0.05; done\n',
+        "scontrol": 'echo "$*" > "$LOG/scontrol"\n',
+    }.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", LOG=str(tmp_path), SLURM_JOB_ID="9")
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts/slurm/train.sbatch"), "demo_cpu"], cwd=ROOT, env=env)
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "ready").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=60) == 75
+    finally:
+        proc.kill()
+    assert (tmp_path / "scontrol").read_text().split() == ["requeue", "9"]
+    assert "trace_mega.commands.launch" in (tmp_path / "srun").read_text()
+
+
+def test_the_launcher_exits_with_the_code_a_worker_wrote(tmp_path):
+    """torchrun exits 1 whatever its workers' codes; a worker's clean stop (its code in the file the
+    launcher names) becomes the launcher's exit code, a crash stays torchrun's."""
+    write = f"import os, pathlib; pathlib.Path(os.environ[{EXIT_FILE_ENV!r}]).write_text('75\\n'); raise SystemExit(1)"
+    assert run_torchrun([sys.executable, "-c", write]) == 75
+    assert run_torchrun([sys.executable, "-c", "raise SystemExit(1)"]) == 1
+    assert run_torchrun([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]) == 137
 
 
 @pytest.mark.slow

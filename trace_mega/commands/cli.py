@@ -280,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg)
     try:
         if args.cmd == "train":
-            trainer.train()
+            stop = trainer.train()
+            if stop is not None:  # checkpointed; 75 (a signal, the clock) asks for a requeue
+                if trainer.is_main:
+                    print(stop.message, file=sys.stderr)
+                return stop.exit_code
         else:
             report = trainer.evaluate()
             if report is not None:

@@ -5,9 +5,16 @@
     python -m trace_mega.commands.launch [--nproc-per-node N] [--port P] [--dry-run] -- train --config X [key=value ...]
 
 which turns the SLURM step's variables into torchrun arguments (`torchrun_args`)
-and replaces itself with `python -m torch.distributed.run ARGS -m trace_mega
-train ...`. torchrun's c10d rendezvous runs on the first node of
+and runs `python -m torch.distributed.run ARGS -m trace_mega train ...` as its
+child. torchrun's c10d rendezvous runs on the first node of
 SLURM_JOB_NODELIST; every node's agent joins it and starts one worker per GPU.
+
+Preemption (docs/operations.md): the launcher passes SIGTERM, SIGUSR1 and SIGUSR2
+on to torchrun, which passes them on to the workers and gives them
+`--shutdown-timeout-s` to finish their step and checkpoint before it kills them.
+torchrun itself exits 1 whatever its workers' codes were, so a worker that stops
+cleanly writes its code to the file named by `TRACE_MEGA_EXIT_FILE`, and the
+launcher exits with that code (75: requeue me) instead of torchrun's.
 
 Read from the environment:
 
@@ -26,10 +33,18 @@ import argparse
 import os
 import re
 import shlex
+import signal
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from trace_mega.stopping import EXIT_FILE_ENV
+
 _BASE_PORT = 29500
+# Passed on to torchrun (and by it to the workers): Slurm's preemption and time-limit warnings.
+_FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _split_top_level(spec: str) -> list[str]:
@@ -145,12 +160,22 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[int]:
         "--port", type=int, default=None, help="rendezvous port (default: MASTER_PORT or 29500 + job id %% 10000)"
     )
     ap.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
+    ap.add_argument(
+        "--shutdown-timeout-s",
+        type=int,
+        default=600,
+        help="after a signal, how long torchrun lets the workers finish their step and checkpoint (default 600)",
+    )
     args = ap.parse_args(argv[:cut])
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         *torchrun_args(os.environ, nproc_per_node=args.nproc_per_node, port=args.port),
+        "--signals-to-handle",
+        ",".join(["SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in _FORWARDED)]),
+        "--shutdown-timeout",
+        str(args.shutdown_timeout_s),
         "-m",
         "trace_mega",
         *argv[cut + 1 :],
@@ -163,7 +188,24 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[int]:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "8")
     sys.stdout.flush()
-    os.execv(cmd[0], cmd)  # replaces this process: srun tracks torchrun itself
+    return run_torchrun(cmd)
+
+
+def run_torchrun(cmd: list[str]) -> int:
+    """Run torchrun (`cmd`), passing the exit signals on; the workers' clean-stop code when one
+    wrote it (`EXIT_FILE_ENV`), else torchrun's status (128 + N when a signal N killed it)."""
+    with tempfile.TemporaryDirectory(prefix="trace-mega-exit-") as tmp:
+        exit_file = Path(tmp) / "code"
+        child = subprocess.Popen(cmd, env=dict(os.environ, **{EXIT_FILE_ENV: str(exit_file)}))
+        previous = {sig: signal.signal(sig, lambda signum, _frame: child.send_signal(signum)) for sig in _FORWARDED}
+        try:
+            rc = child.wait()  # retried after each handler (PEP 475)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if exit_file.exists():
+            return int(exit_file.read_text())
+        return rc if rc >= 0 else 128 - rc
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Layout under the checkpoint root:
 
     step_00000010/            one checkpoint (megatron dist_checkpointing dir)
         trainer_state.json    step, data cursor and any caller fields (JSON)
-        rng/rank_00003.pt     this rank's torch + megatron-tracker RNG states
+        rng/rank_00003.pt     this rank's torch + megatron-tracker RNG states and the caller's
+                              per-rank state (`rank_state`: the predictor's replay window)
         manifest.json         every file above with its size (and sha256 when small), written last
     predictor_00000010.pt     files the caller saves beside the step (`extras`), in its manifest too
     latest                    text file: the name of the newest complete checkpoint
@@ -193,8 +194,12 @@ def save_checkpoint(
     extras: Optional[Mapping[str, Callable[[Path], None]]] = None,
     keep_last: int = 0,
     keep_every: Optional[int] = None,
+    rank_state: Any = None,
 ) -> Path:
     """Save model, optimizer, scheduler, RNG and `trainer_state` (JSON-able) at `step`. Collective.
+
+    `rank_state`: anything picklable this rank needs back on resume (`load_checkpoint` returns it
+    as `"rank_state"` when the world size is the same), saved with this rank's RNG states.
 
     `extras`: file name -> writer, files rank 0 writes beside the step directory (`root/name`;
     e.g. the trainer's predictor state), listed in the manifest and removed with the step.
@@ -228,7 +233,7 @@ def save_checkpoint(
                 state["scheduler"] = scheduler.state_dict()
             dist_checkpointing.save(state, str(tmp), content_metadata=_CONTENT_METADATA)
             (tmp / "rng").mkdir(exist_ok=True)
-            torch.save(_rng_state(), tmp / "rng" / f"rank_{groups.rank:05d}.pt")
+            torch.save({**_rng_state(), "rank_state": rank_state}, tmp / "rng" / f"rank_{groups.rank:05d}.pt")
             if groups.rank == 0:
                 meta = {"step": step, "world_size": groups.world_size, **(trainer_state or {})}
                 (tmp / _STATE_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
@@ -495,9 +500,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore everything `save_checkpoint` wrote; returns the trainer state (step, cursor, ...). Collective.
 
-    RNG states are restored when the world size matches the saving run's
-    (they are per rank); a different parallel layout still restores model,
-    optimizer and scheduler (megatron reshards them).
+    RNG states are restored, and the saved `rank_state` returned under `"rank_state"`, when the world
+    size matches the saving run's (they are per rank; else `"rank_state"` is None); a different
+    parallel layout still restores model, optimizer and scheduler (megatron reshards them).
     """
     path = Path(path)
     meta = json.loads((path / _STATE_FILE).read_text())
@@ -512,6 +517,9 @@ def load_checkpoint(
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     rng_file = path / "rng" / f"rank_{groups.rank:05d}.pt"
+    meta["rank_state"] = None
     if meta["world_size"] == groups.world_size and rng_file.exists():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        rank = torch.load(rng_file, weights_only=False)
+        _set_rng_state(rank)
+        meta["rank_state"] = rank.get("rank_state")  # files of older checkpoints have none
     return meta

@@ -570,12 +570,16 @@ class Learner:
         extras: Optional[dict[str, Callable[[Path], None]]] = None,
         keep_last: int = 0,
         keep_every: Optional[int] = None,
+        rank_state: Any = None,
     ) -> Path:
         """Checkpoint at `step` (collective; `checkpoint.save_checkpoint`): `extras` are files rank 0
-        writes beside it, then older checkpoints beyond `keep_last` (milestones every `keep_every`
-        steps excepted) are removed. A failed write raises `CheckpointError`; `latest` is untouched."""
+        writes beside it, `rank_state` this rank's own state, then older checkpoints beyond `keep_last`
+        (milestones every `keep_every` steps excepted) are removed. A failed write raises
+        `CheckpointError`; `latest` is untouched."""
         state = (self.chunks, self.optimizer, self.scheduler, self.groups, trainer_state)
-        return save_checkpoint(root, step, *state, extras=extras, keep_last=keep_last, keep_every=keep_every)
+        return save_checkpoint(
+            root, step, *state, extras=extras, keep_last=keep_last, keep_every=keep_every, rank_state=rank_state
+        )
 
     def load_latest(self, root: str | Path) -> Optional[dict[str, Any]]:
         """Restore the newest intact checkpoint under `root` (a damaged newer one is skipped with a

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,8 @@ class Predictor(ABC, nn.Module):
         # The same over the roots and over the prefixes alone: the anchors of `cfg.root_head`.
         self.register_buffer("prior_root_mean", torch.tensor(float("nan")))
         self.register_buffer("prior_prefix_mean", torch.tensor(float("nan")))
-        # (packed, samples, hidden) of the previous replay_steps - 1 steps (not checkpointed).
+        # (packed, samples, hidden) of the previous replay_steps - 1 steps: this rank's share, so it
+        # is checkpointed per rank (`fit_state`), not with the weights.
         self.replay: collections.deque = collections.deque(maxlen=cfg.replay_steps - 1)
 
     @abstractmethod
@@ -202,6 +203,16 @@ class Predictor(ABC, nn.Module):
 
     def build_optimizer(self) -> None:
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def fit_state(self) -> dict[str, Any]:
+        """What a resumed run needs besides the weights to fit as an uninterrupted one: the optimiser's
+        moments and this rank's replay window (its size: the window's trees and hidden states)."""
+        return {"optimizer": self.optimizer.state_dict(), "replay": list(self.replay)}
+
+    def load_fit_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.replay.clear()
+        self.replay.extend(state["replay"])
 
 
 def _root_calibration(before: torch.Tensor, target: torch.Tensor, is_root: torch.Tensor, prior: float) -> dict:

@@ -136,6 +136,42 @@ def test_consecutive_skipped_steps_stop_the_run_with_a_checkpoint_naming_the_ste
     assert len({r["loss/lr"] for r in rows[1:]}) == 1 and rows[0]["loss/lr"] != rows[1]["loss/lr"]
 
 
+# TRACE-C's probe broken from the second step on: every boundary's value is NaN.
+BROKEN_PROBE = """
+import sys, torch
+import trace_mega.trainer as trainer
+real = trainer.Trainer._probe
+def probe(self, batch):
+    ell = real(self, batch)
+    return ell if batch.step == 0 else torch.full_like(ell, float("nan"))
+trainer.Trainer._probe = probe
+from trace_mega.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_non_finite_probe_values_skip_the_update_and_are_named(tmp_path):
+    """NaN probe values at real boundaries (NaN is also the probe's "no boundary" mark, so they would
+    read as zero credit) skip the step's update; two such steps stop the run naming the probe."""
+    out = tmp_path / "run"
+    credit = ["credit.enabled=true", "credit.answer_template=goal", "optim.max_consecutive_skipped=2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", BROKEN_PROBE, "train", "--config", str(CONFIG), *SMALL, *credit, "steps=5"]
+        + [f"telemetry.out_dir={out}"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == SKIPPED_EXIT_CODE, proc.stderr[-3000:]
+    rows = _rows(out)
+    assert [r["loss/skipped"] for r in rows] == [0, 1, 1]
+    assert rows[0]["credit/probe_nonfinite"] == 0 and rows[1]["credit/probe_nonfinite"] > 0
+    assert "step 2: credit/probe_nonfinite = " in proc.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.slow
 def test_a_resume_brings_back_the_predictors_optimiser_and_replay_window(tmp_path):
     """One process, stopped by the clock after step 0 and resumed: the rest logs what an uninterrupted

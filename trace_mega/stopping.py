@@ -116,6 +116,8 @@ class StopWatch:
         if not self.max_skipped or self.skipped_run < self.max_skipped:
             return None
         bad = [f"{k} = {metrics[k]}" for k in _GUARDED if k in metrics and not math.isfinite(metrics[k])]
+        if metrics.get("credit/probe_nonfinite"):  # the cause of the NaN loss, when it was the probe
+            bad.insert(0, f"credit/probe_nonfinite = {metrics['credit/probe_nonfinite']:g}")
         what = ", ".join(bad) or f"loss/skipped = {metrics['loss/skipped']:g}"
         return Stop(
             step,

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from trace_mega.allocation import ALLOCATORS, Allocator, build_allocator
 from trace_mega.config import TrainConfig, save_yaml, to_dict
 from trace_mega.credit.metrics import env_credit_accuracy
-from trace_mega.credit.probe import check_task_answers
+from trace_mega.credit.probe import check_task_answers, nonfinite_probes
 from trace_mega.envs import build_env, check_env
 from trace_mega.evaluation import EvalReport, evaluate
 from trace_mega.learner.hf_files import policy_tokenizer, write_hf_extras
@@ -162,9 +162,7 @@ class Trainer:
                     batch.grow(self.rollouts.expand(batch.trees, batch.branch_points(), seed=2 * step + 1))
                 with timer("credit"):  # credit
                     batch.node_ell = self._probe(batch)
-                    batch.advantages = compute_advantages(
-                        batch.packed, batch.trees, cfg.advantage, cfg.credit, batch.node_ell
-                    )
+                    probe_bad = self._credit(batch)
                 with timer("train"), self.rollouts.paused():  # learn
                     batch.update = self.learner.train_step(batch.packed, batch.advantages)
                 with timer("predictor"):  # fit predictor
@@ -172,7 +170,7 @@ class Trainer:
                 with timer("weight_sync"):  # sync
                     self.learner.sync_weights(self.rollouts.engine)
             self._plot_predictor(fit.calibration)  # telemetry, outside the step's time
-            metrics = batch.update.metrics | fit.metrics | self._credit_accuracy(batch)
+            metrics = batch.update.metrics | fit.metrics | self._credit_accuracy(batch) | probe_bad
             metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
             spent = int(batch.rollouts.sum() + batch.continuations.sum() + batch.root_continuations.sum())
             metrics |= {
@@ -212,6 +210,23 @@ class Trainer:
         if not self.cfg.credit.enabled:
             return None
         return self.learner.probe(batch.packed, batch.trees, self._encode, self.cfg.credit.answer_template)
+
+    def _credit(self, batch: StepBatch) -> dict[str, float]:
+        """The step's advantages; with TRACE-C, `credit/probe_nonfinite`, the boundaries whose probe
+        value is not finite. A step with any trains on nothing: its advantages are NaN, so the
+        learner's guard skips the update (`loss/skipped`) instead of reading zero credit there."""
+        cfg, ell = self.cfg, batch.node_ell
+        bad = None if ell is None else nonfinite_probes(batch.packed, batch.trees, ell)
+        if bad is not None and bool(bad.any()):
+            ell = torch.where(bad.to(ell.device), 0.0, ell)  # finite, so that the advantages can be formed at all
+        batch.advantages = compute_advantages(batch.packed, batch.trees, cfg.advantage, cfg.credit, ell)
+        if bad is None:
+            return {}
+        if bool(bad.any()):
+            log.warning("step %d: %d probe values are not finite; the update is skipped", batch.step, int(bad.sum()))
+            nan = torch.full_like(batch.advantages.advantages, float("nan"))
+            batch.advantages = dataclasses.replace(batch.advantages, advantages=nan)
+        return {"credit/probe_nonfinite": float(bad.sum())}
 
     def _credit_accuracy(self, batch: StepBatch) -> dict[str, float]:
         """`credit/auc`, ... of the probe's turn credit where the environment labels its turns."""

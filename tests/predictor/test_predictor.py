@@ -88,6 +88,26 @@ def test_value_head_reads_policy_hidden_states():
     assert second["predictor/brier"] < first["predictor/brier"]
 
 
+def test_a_fit_on_non_finite_hidden_states_updates_nothing():
+    """NaN policy states (a broken forward) give a NaN loss: every update of the fit is skipped and
+    counted, the weights and the optimiser's state stay as they were; the next finite fit trains."""
+    packed = pack(_trees(seed=3))
+    s = predictor_samples(packed)
+    hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
+    pred = build_predictor(
+        PredictorConfig(backend="value_head", lr=0.1, updates_per_step=3), hidden_size=8, vocab_size=8
+    )
+    assert pred.fit(packed, s, hidden).metrics["predictor/skipped"] == 0
+    before = [p.detach().clone() for p in pred.parameters()]
+    moments = {k: v.clone() for k, v in pred.optimizer.state[pred.head.weight].items()}
+    bad = pred.fit(packed, s, torch.full_like(hidden, float("nan"))).metrics
+    assert bad["predictor/skipped"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, pred.parameters()))
+    assert all(torch.equal(v, pred.optimizer.state[pred.head.weight][k]) for k, v in moments.items())
+    assert pred.fit(packed, s, hidden).metrics["predictor/skipped"] == 0
+    assert not all(torch.equal(a, b) for a, b in zip(before, pred.parameters()))
+
+
 def test_replay_batches_are_trained_on():
     """Fitting on failures alone pulls every prediction down; with a replayed batch of
     successes the replayed prompts' predictions stay higher."""
@@ -166,12 +186,14 @@ def _dp_fits(packed, hidden, trees, group=None, config="head"):
 def _dp_worker(rank, port, out, config):
     import torch.distributed as dist
 
+    from trace_mega.learner.parallel import destroy_parallel
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     packed = pack(_trees(12))
     hidden = torch.randn(packed.num_tokens, 8, generator=torch.Generator().manual_seed(1))
     weights, metrics = _dp_fits(packed, hidden, list(range(rank, 12, 2)), group=dist.group.WORLD, config=config)
     torch.save((weights, metrics), f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
+    destroy_parallel()  # the product's exit path: barrier, destroy, collect (docs/operations.md "Clean exits")
 
 
 @pytest.mark.parametrize("config", list(DP_CONFIGS))

@@ -99,6 +99,15 @@ def boundary_nodes(tree: RolloutTree) -> list[int]:
     return [i for i, n in enumerate(tree.nodes) if i == 0 or n.kind != "final"]
 
 
+def nonfinite_probes(packed: PackedTrees, trees: Sequence[RolloutTree], node_ell: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: the boundaries of `packed` (the layout of `trees`) whose ℓ̄ in `node_ell` (N,) is not
+    finite, i.e. a broken reference forward. NaN also marks "no boundary here" (a final answer),
+    which the credit reads as no δ, so such values would otherwise pass unseen as zero credit."""
+    boundaries = [set(boundary_nodes(t)) for t in trees]
+    at = torch.tensor([lid in boundaries[ti] for ti, lid in packed.node_local], dtype=torch.bool)
+    return at & ~torch.isfinite(node_ell.cpu())
+
+
 @dataclass
 class ProbeBatch:
     packed: PackedTrees

@@ -12,8 +12,10 @@ an argument instead of reading globals.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +123,21 @@ def init_parallel(cfg: ParallelConfig, seed: int = 0) -> ParallelGroups:
 
 
 def destroy_parallel() -> None:
-    """Tear down megatron's parallel state and the default process group."""
-    parallel_state.destroy_model_parallel()
+    """Tear down megatron's parallel state and every process group, in an order that lets each rank
+    exit cleanly (docs/operations.md "Clean exits"); call it before the process exits.
+
+    At a normal end (no exception on its way out of the caller, so every rank gets here) a barrier
+    comes first: no rank closes its connections, and rank 0 the rendezvous store, while a peer is
+    still in a collective. With an exception in flight there is no collective: the peers may never
+    come. Last, a garbage collection frees process-group and work objects held in reference cycles
+    now, while the interpreter is whole, not during its finalization, where a native thread they
+    own that is still joinable aborts the process ("terminate called without an active exception").
+    """
     if dist.is_initialized():
+        if dist.get_world_size() > 1 and sys.exc_info()[1] is None:
+            dist.barrier()
+        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+    else:
+        parallel_state.destroy_model_parallel()
+    gc.collect()

@@ -54,6 +54,9 @@ def calibration(
     brier = torch.mean((pred - target) ** 2).item()
     const = target.mean() if constant is None else torch.tensor(float(constant), dtype=torch.float64)
     brier_const = torch.mean((target - const) ** 2).item()
+    if not bool(torch.isfinite(pred).all()):  # a broken forward: no score, no bins (and no crash binning NaN)
+        nan = float("nan")
+        return Calibration(nan, brier_const, nan, [], [], [], n)
     # Bin b holds predictions in [b/num_bins, (b+1)/num_bins); 1.0 goes to the last bin.
     bins = torch.clamp((pred * num_bins).long(), max=num_bins - 1)
     count = torch.bincount(bins, minlength=num_bins).double()

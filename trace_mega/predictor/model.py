@@ -20,6 +20,7 @@ each rank fits on its share and the gradients are summed over DP.
 from __future__ import annotations
 
 import collections
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -35,6 +36,8 @@ from trace_mega.predictor.calibration import Calibration, calibration
 from trace_mega.predictor.targets import PredictorSamples, predictor_samples
 from trace_mega.registry import Registry
 from trace_mega.rollout.tree import PackedTrees
+
+log = logging.getLogger("trace_mega")
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Predictor(ABC, nn.Module):
                 batches.append((p, s, h, self.cfg.replay_decay**age))
         norm = sum(w for *_, w in batches)
         loss = torch.zeros(())
+        skipped = 0
         for _ in range(self.cfg.updates_per_step):
             loss = torch.zeros((), device=dev)
             for p, s, h, w in batches:
@@ -149,9 +153,20 @@ class Predictor(ABC, nn.Module):
             if loss.requires_grad:
                 loss.backward()
             loss = self._sum_grads(loss.detach(), group)
+            if not self._finite(loss):  # a NaN/inf loss or gradient (the same on every rank) changes nothing
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             self.optimizer.step()
+        if skipped:
+            log.warning(
+                "predictor fit: %d of %d updates skipped (non-finite loss or gradient)",
+                skipped,
+                self.cfg.updates_per_step,
+            )
         metrics = {
             "predictor/loss": float(loss),
+            "predictor/skipped": float(skipped),
             "predictor/brier": cal.brier,
             "predictor/brier_constant": cal.brier_constant,
             "predictor/skill": skill,
@@ -161,6 +176,11 @@ class Predictor(ABC, nn.Module):
             **roots,
         }
         return PredictorFit(metrics, cal)
+
+    def _finite(self, loss: torch.Tensor) -> bool:
+        """Whether `loss` and every gradient are finite (after the sum over data-parallel ranks)."""
+        grads = [p.grad.flatten() for p in self.parameters() if p.grad is not None]
+        return bool(torch.isfinite(torch.cat([loss.view(1).to(self.prior_mean.device), *grads])).all())
 
     def _sum_grads(self, loss: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
         """Sum the gradients (None: zero, a rank without samples) and `loss` over `group` in one

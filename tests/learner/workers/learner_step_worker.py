@@ -11,6 +11,7 @@ import torch
 
 from trace_mega.config import AdvantageConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trace_mega.learner.learner import Learner
+from trace_mega.learner.parallel import destroy_parallel
 from trace_mega.objective.advantages import compute_advantages
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 
@@ -70,6 +71,7 @@ def main() -> None:
                 },
                 f,
             )
+    destroy_parallel()  # a live process group at interpreter exit can abort the process
 
 
 if __name__ == "__main__":

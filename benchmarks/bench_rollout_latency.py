@@ -66,7 +66,8 @@ def measure(args, latency_ms: float, sigma: float) -> dict:
     torch.set_num_threads(1)
     cfg = load_yaml(TrainConfig, resolve_config("demo_cpu"))
     hf = args.hf or warm_start(cfg)
-    env = build_env(cfg.env.name, **cfg.env.options, tool_latency_ms=latency_ms, tool_latency_sigma=sigma)
+    latency = {"tool_latency_ms": latency_ms, "tool_latency_sigma": sigma} if latency_ms else {}
+    env = build_env(cfg.env.name, **cfg.env.options, **latency)  # instant: options an older checkout knows
     tok = env.tokenizer
     engine = TorchEngine(hf, eos_token_ids=[tok.eos_token_id])
     rc = dataclasses.replace(cfg.rollout, max_turns=args.turns)
@@ -82,15 +83,17 @@ def measure(args, latency_ms: float, sigma: float) -> dict:
     st = loop.last_stats
     busy = getattr(st, "engine_busy_s", None)
     loop.close()
-    return {
+    row = {
         "wall_s": statistics.median(times),
         "times": times,
         "slowest_episode_tool_s": _slowest_episode_tool_s(trees),
-        "engine_busy_frac": None if busy is None else busy / st.phase_s,
         "tool_calls": st.tool_calls,
         "episodes": st.episodes,
         "digest": _digest(trees),
     }
+    if busy is not None:  # an older checkout's loop does not measure it
+        row["engine_busy_frac"] = busy / st.phase_s
+    return row
 
 
 def main(argv=None) -> dict:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 
 if TYPE_CHECKING:
-    from trace_mega.config import TelemetryConfig
+    from trace_mega.config import ModelConfig, TelemetryConfig
     from trace_mega.rollout.tree import PackedTrees
 
 log = logging.getLogger("trace_mega")
@@ -98,6 +98,82 @@ def tree_metrics(packed: "PackedTrees") -> dict[str, float]:
         if packed.leaf_nodes.numel()
         else 0.0,
     }
+
+
+# Dense bf16 tensor-core peak per GPU (vendor datasheets, no sparsity), by device-name substring.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "L40S": 362e12}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """The device's dense bf16 peak FLOP/s, or None (CPU, or a GPU not in `PEAK_BF16_FLOPS`)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def forward_flops(m: "ModelConfig", tokens: float, attended_keys: float) -> float:
+    """Model FLOPs of a forward pass over `tokens` tokens that attend to `attended_keys` keys in all
+    (2 FLOPs per multiply-add; docs/learner.md "Throughput and MFU"): per token and layer the Q, K,
+    V and output projections, the MLP (gate, up, down; for MoE the top-k experts and the router),
+    then the LM head; per attended key and layer QK^T and AV (2 x heads x head_dim multiply-adds).
+    Norms, rotary and softmax are left out, as in Megatron-LM's and PaLM's MFU."""
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    proj = h * (q + 2 * kv) + q * h
+    if m.num_experts:
+        mlp = m.moe_router_topk * 3 * h * (m.moe_ffn_hidden_size or m.ffn_hidden_size) + h * m.num_experts
+    else:
+        mlp = 3 * h * m.ffn_hidden_size
+    per_token = m.num_layers * (proj + mlp) + h * m.vocab_size
+    return 2.0 * per_token * tokens + 2.0 * m.num_layers * 2 * q * attended_keys
+
+
+def response_lengths(packed: "PackedTrees") -> torch.Tensor:
+    """Generated tokens on each root-to-leaf trajectory ([L], leaves in pre-order; a continuation
+    counts its shared prefix's generated tokens too)."""
+    gen = torch.bincount(packed.token_node[packed.loss_mask], minlength=packed.num_nodes).double()
+    total = gen.clone()
+    for d in range(1, int(packed.node_depth.max()) + 1 if packed.num_nodes else 0):
+        at = (packed.node_depth == d).nonzero().flatten()
+        total[at] += total[packed.node_parent[at]]  # parents (depth d-1) are final already
+    return total[packed.leaf_nodes]
+
+
+def throughput_metrics(
+    packed: "PackedTrees",
+    step_s: float,
+    model: "ModelConfig",
+    *,
+    world_size: int,
+    replicas: int,
+    epochs: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """Per-step throughput as verl / NeMo-RL report it: generated and trained tokens per second (per
+    replica and per GPU), response lengths, and on a GPU with a known peak the model FLOPs
+    utilisation: `epochs` x 3 forward passes (forward + backward) over the trained tokens plus one
+    over the generated tokens (their prefill reuses cached KV), over step_s x GPUs x peak."""
+    step_s = max(step_s, 1e-9)
+    generated = packed.loss_mask
+    trained = float(packed.tokens.numel())
+    lengths = response_lengths(packed)
+    out = {
+        "perf/step_s": step_s,
+        "perf/generated_tokens_per_s": float(generated.sum()) / step_s,
+        "perf/generated_tokens_per_s_per_replica": float(generated.sum()) / step_s / replicas,
+        "perf/generated_tokens_per_s_per_gpu": float(generated.sum()) / step_s / world_size,
+        "perf/trained_tokens_per_s": trained / step_s,
+        "perf/trained_tokens_per_s_per_gpu": trained / step_s / world_size,
+        "rollout/response_length_mean": float(lengths.mean()) if lengths.numel() else 0.0,
+        "rollout/response_length_max": float(lengths.max()) if lengths.numel() else 0.0,
+    }
+    peak = peak_flops(device)
+    if peak is not None:
+        keys = (packed.position_ids + 1).double()  # a token attends to its ancestors and itself
+        flops = 3 * epochs * forward_flops(model, trained, float(keys.sum()))
+        flops += forward_flops(model, float(generated.sum()), float(keys[generated].sum()))
+        out["perf/mfu"] = flops / (step_s * world_size * peak)
+    return out
 
 
 # The keys shown on the one-line-per-step log, in order, with their format.

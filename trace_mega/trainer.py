@@ -50,7 +50,7 @@ from trace_mega.rollout.tree import PackedTrees
 from trace_mega.sampler import PromptSampler, SamplerState
 from trace_mega.step import StepBatch
 from trace_mega.stopping import Stop, StopWatch, report_exit
-from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer, tree_metrics
+from trace_mega.telemetry import GpuProbe, MetricsSink, PhaseTimer, throughput_metrics, tree_metrics
 
 log = logging.getLogger("trace_mega")
 
@@ -172,6 +172,7 @@ class Trainer:
             self._plot_predictor(fit.calibration)  # telemetry, outside the step's time
             metrics = batch.update.metrics | fit.metrics | self._credit_accuracy(batch) | probe_bad
             metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
+            metrics |= self._throughput(batch.packed, timer.seconds["time/step_s"])
             spent = int(batch.rollouts.sum() + batch.continuations.sum() + batch.root_continuations.sum())
             metrics |= {
                 "alloc/fallback": float(allocator is not self.allocator),
@@ -197,6 +198,18 @@ class Trainer:
         return None
 
     # --- components' glue -------------------------------------------------------------
+    def _throughput(self, packed: PackedTrees, step_s: float) -> dict[str, float]:
+        g = self.learner.groups
+        return throughput_metrics(
+            packed,
+            step_s,
+            self.learner.model_cfg,
+            world_size=g.world_size,
+            replicas=self.rollouts.layout.num_replicas,
+            epochs=self.cfg.optim.epochs_per_step,
+            device=g.device,
+        )
+
     def _predict(self, packed: PackedTrees, nodes: torch.Tensor, allocator: Allocator) -> torch.Tensor:
         """(S,) float64 predicted success of `nodes` of the step's layout, on the learner's device
         (split over data-parallel ranks: `Learner.score_nodes`); zeros, with no forward at all,

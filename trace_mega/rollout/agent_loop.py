@@ -51,7 +51,7 @@ Branching needs the environment state after every turn: the loop keeps one
 a fresh `env.fork` of it, so a stored state is never mutated). Trees loaded
 from JSONL have no states and cannot be expanded; `release` drops them.
 
-Seeds (docs/design.md §3.4; results must not depend on how many replicas
+Seeds (docs/design.md §6; results must not depend on how many replicas
 roll out, nor on which episodes share an engine call): every episode has its
 own seed, derived from the call's seed, its tree's key (the caller's prompt
 index, `keys`) and its origin — bare rollout j, or continuation c branched

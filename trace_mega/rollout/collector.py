@@ -130,11 +130,13 @@ class RolloutCollector:
             except Exception as exc:  # noqa: BLE001  (reported to every rank by the exchange, then raised)
                 error = f"{type(exc).__name__}: {exc}"
         stats = stats_delta(self.agent.stats, before) if self.agent else {}
+        if self.agent is not None and error is None:
+            stats["inflight_max"] = float(self.agent.last_stats.inflight_max)  # a peak, not a counter
         stats["seconds"] = time.perf_counter() - t0
         out, per_replica = exchange(self.layout, trees, mine, stats, error)
         for acc, new in zip(self._replica_stats, per_replica):
             for k, v in new.items():
-                acc[k] = acc.get(k, 0.0) + v
+                acc[k] = max(acc.get(k, 0.0), v) if k == "inflight_max" else acc.get(k, 0.0) + v
         return out
 
     @contextmanager
@@ -170,6 +172,13 @@ class RolloutCollector:
             "rollout/truncated": total("truncated_episodes"),
             "rollout/generate_s": total("generate_s"),
             "rollout/tool_s": total("tool_s"),
+            # Where the phase's time goes (docs/rollout.md "Scheduling"): the engine's busy share of
+            # the replicas' phase time, episodes' summed wait for their tools, the slowest replica's
+            # tail (90% -> 100% of its episodes ended, both phases), the most requests in one engine.
+            "rollout/engine_busy_frac": total("engine_busy_s") / max(total("phase_s"), 1e-9),
+            "rollout/tool_wait_s": total("tool_wait_s"),
+            "rollout/tail_s": max(s.get("tail_s", 0.0) for s in per),
+            "rollout/inflight_max": max(s.get("inflight_max", 0.0) for s in per),
             "rollout/replicas": float(len(per)),
             "rollout/replicas_generating": float(sum(t > 0 for t in traj)),
             "rollout/replica_trajectories_min": min(traj),

@@ -1,6 +1,6 @@
 """Rollout replicas: which rank generates what, and how the step's trees meet again.
 
-Layout (docs/design.md §3.4, distribution): the ranks of one model-parallel
+Layout (docs/design.md §6, distribution): the ranks of one model-parallel
 group of the learner (TP x PP, as megatron lays them out) form one rollout
 replica, so there are as many replicas as data-parallel ranks
 (`rollout.tensor_parallel_size` may make a replica span several of them:

@@ -21,7 +21,7 @@ A training run starts its engine with `build_engine(EngineSetup)`
 (engines/__init__.py): the registered class's `launch` reads its own
 construction arguments from the setup and prepares what it needs to start
 (e.g. an HF directory of the initial weights), on every rank, and builds the
-engine on the ranks of each rollout replica that run it (docs/design.md §3.4).
+engine on the ranks of each rollout replica that run it (docs/design.md §6, "System shape").
 """
 
 from __future__ import annotations

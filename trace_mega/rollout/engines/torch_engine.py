@@ -1,4 +1,4 @@
-"""The `torch` rollout engine: batched sampling from an HF causal LM with a prefix-shared KV cache.
+"""The `torch` rollout engine: continuous batching over an HF causal LM with a prefix-shared KV cache.
 
 It is the light default for the CPU demo, the tests, and installs without
 vLLM. The policy is a `transformers` causal LM (Qwen3 / Llama architecture)
@@ -6,19 +6,24 @@ whose weights the learner pushes in memory through `update_weights` — the same
 stream of `(hf_name, tensor)` pairs vLLM's `load_weights` takes, so both
 engines share one weight-sync path.
 
-Prefix reuse (docs/design.md §3.4 step 8: never re-prefill a shared prefix): every
+Prefix reuse (docs/design.md §3.4, step 8: never re-prefill a shared prefix): every
 finished sequence leaves its KV (prompt + generated tokens) in `PrefixKVCache`,
 an LRU store bounded by tokens. A new request takes the longest common token
 prefix with any stored sequence, copies that much KV, and prefills only the
 rest — so the next turn of a trajectory prefills only the observation, and a
 continuation branched at a turn boundary prefills nothing it shares with the
-bare rollout. Requests of one call with identical prefixes (k continuations of
-one node) prefill that prefix once.
+bare rollout. Requests admitted together with identical prefixes (k
+continuations of one node) prefill that prefix once.
 
-Determinism: request i of a call draws its randomness from its own
-`torch.Generator` seeded `sampling.request_seed(i)`, one uniform per sampled token, so a
-request's sample does not depend on batching, on the order of requests, or
-on what the cache held (up to float rounding of the logits, which only matters
+Requests come in through `submit` and leave through `poll` (docs/engines.md):
+each poll admits waiting requests into free rows of the running batch, samples
+one token per row, retires finished rows and runs one decode forward, so a
+request never waits for a batch to drain; `generate` is submit-all, poll-until-done.
+
+Determinism: a request draws its randomness from its own `torch.Generator`
+seeded with its seed, one uniform per sampled token, so its sample does not
+depend on batching, on when it joined, on the order of requests, or on what
+the cache held (up to float rounding of the logits, which only matters
 when a uniform lands within ~1e-7 of a CDF step).
 
 Log-probs: `Completion.logprobs[t]` is the log-prob of the sampled token under
@@ -52,6 +57,8 @@ class _Entry:
     tokens: np.ndarray
     """[L] int64 token ids whose KV is held (numpy: the prefix scans are many tiny compares)."""
     kv: KV
+    eid: int = -1
+    """Insertion number (orders batches reproducibly: a memory address would differ per process)."""
 
 
 class PrefixKVCache:
@@ -105,7 +112,7 @@ class PrefixKVCache:
             if common == entry.tokens.size:  # the new sequence extends this one
                 self.tokens_held -= common
                 del self._entries[eid]
-        self._entries[self._next_id] = _Entry(tokens, kv)
+        self._entries[self._next_id] = _Entry(tokens, kv, self._next_id)
         self._next_id += 1
         self.tokens_held += n
         while self.tokens_held > self.max_tokens:
@@ -332,7 +339,7 @@ class TorchEngine(Engine):
             # The first of identical prefixes paid the warm-up prefill: count its tokens as fresh.
             row.counted = hit_before.pop(tuple(row.prefix), row.reuse)
         # Rows that copy from the same cached sequence side by side: the prefill pads little.
-        admit.sort(key=lambda r: (id(r.source), -r.reuse, len(r.prefix)))
+        admit.sort(key=lambda r: (r.source.eid if r.source is not None else -1, -r.reuse, len(r.prefix)))
         kv, mask, logits = self._prefill(admit)
         pos = torch.tensor([len(r.prefix) for r in admit], device=self.device)
         if not self._rows:

@@ -37,9 +37,9 @@ import harness  # noqa: E402
 DEFAULT_JSON = harness.RESULTS / "rollout_latency_cpu.json"
 MODELS = {
     "instant": (0.0, 0.0),
-    "fixed 50 ms": (50.0, 0.0),
-    "lognormal 50 ms, sigma 1": (50.0, 1.0),
-    "lognormal 200 ms, sigma 1": (200.0, 1.0),
+    "fixed 50ms": (50.0, 0.0),
+    "lognormal 50ms sigma 1": (50.0, 1.0),
+    "lognormal 200ms sigma 1": (200.0, 1.0),
 }
 
 

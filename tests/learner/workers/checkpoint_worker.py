@@ -58,6 +58,7 @@ def main() -> None:
     dist.barrier()
     result["after_failure"] = sorted(os.listdir(root))
     result["latest_after_failure"] = open(os.path.join(root, "latest")).read()
+    dist.barrier()  # every rank has looked before rank 0 starts the next save (its .tmp- directory)
     save(4)  # keep_last=2: step 1 goes, with its predictor file
     result["after_prune"] = sorted(os.listdir(root))
     dist.barrier()

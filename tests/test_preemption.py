@@ -112,18 +112,17 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def _train_patched(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`trace-mega train` on the small config through `script` (which patches the trainer first)."""
+    cmd = [sys.executable, "-c", script, "train", "--config", str(CONFIG), *SMALL, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.slow
 def test_consecutive_skipped_steps_stop_the_run_with_a_checkpoint_naming_the_step_and_metric(tmp_path):
     out, ck = tmp_path / "run", tmp_path / "ck"
     args = ["steps=8", "optim.max_consecutive_skipped=3", f"checkpoint.dir={ck}", f"telemetry.out_dir={out}"]
-    proc = subprocess.run(
-        [sys.executable, "-c", POISON, "train", "--config", str(CONFIG), *SMALL, *args],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _train_patched(POISON, *args)
     assert proc.returncode == SKIPPED_EXIT_CODE, proc.stderr[-3000:]
     rows = _rows(out)
     assert [r["loss/skipped"] for r in rows] == [0, 1, 1, 1]
@@ -156,15 +155,7 @@ def test_non_finite_probe_values_skip_the_update_and_are_named(tmp_path):
     read as zero credit) skip the step's update; two such steps stop the run naming the probe."""
     out = tmp_path / "run"
     credit = ["credit.enabled=true", "credit.answer_template=goal", "optim.max_consecutive_skipped=2"]
-    proc = subprocess.run(
-        [sys.executable, "-c", BROKEN_PROBE, "train", "--config", str(CONFIG), *SMALL, *credit, "steps=5"]
-        + [f"telemetry.out_dir={out}"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _train_patched(BROKEN_PROBE, *credit, "steps=5", f"telemetry.out_dir={out}")
     assert proc.returncode == SKIPPED_EXIT_CODE, proc.stderr[-3000:]
     rows = _rows(out)
     assert [r["loss/skipped"] for r in rows] == [0, 1, 1]

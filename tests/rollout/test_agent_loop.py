@@ -11,6 +11,26 @@ from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.tree import load_jsonl, pack, save_jsonl
 
 
+def tiny_policy(vocab: int, eos: int):
+    """A random tiny Qwen3 over the synthetic envs' vocabulary (seeded: the same weights every call)."""
+    import torch
+    import transformers
+
+    qcfg = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_id=eos,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(qcfg).eval()
+
+
 def open_nodes(tree):
     """Turn nodes that are not terminal: where continuations can branch."""
     return [i for i, n in enumerate(tree.nodes) if i and n.reward is None]
@@ -360,25 +380,12 @@ def test_real_torch_engine_end_to_end_logprobs_match_recompute():
     stream the engine continued from (observations appended, nothing re-encoded).
     """
     import torch
-    import transformers
 
     from trace_mega.rollout.engines import TorchEngine
 
     env = SyntheticToolsEnv(seed=0)
     tok = env.tokenizer
-    qcfg = transformers.Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(qcfg).eval()
+    model = tiny_policy(len(tok), tok.eos_token_id)
     engine = TorchEngine(model)
     loop = AgentLoop(env, engine, tok, cfg(max_new_tokens_per_turn=4, max_turns=4, max_total_tokens=80))
     trees = loop.rollout(icefree(env)[:3], [3, 3, 3], seed=0)

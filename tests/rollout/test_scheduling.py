@@ -5,32 +5,14 @@ import threading
 import time
 
 import pytest
-import torch
-import transformers
 
 from tests.rollout.scripted_engine import ScriptedEngine
-from tests.rollout.test_agent_loop import cfg, icefree, open_nodes, oracle
+from tests.rollout.test_agent_loop import cfg, icefree, open_nodes, oracle, tiny_policy
 from trace_mega.envs.latency import ToolLatency
 from trace_mega.envs.synthetic import SyntheticToolsEnv
 from trace_mega.rollout.agent_loop import AgentLoop
 from trace_mega.rollout.engines import TorchEngine
 from trace_mega.rollout.engines.base import SamplingParams
-
-
-def tiny_policy(vocab: int, eos: int):
-    qcfg = transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        eos_token_id=eos,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(qcfg).eval()
 
 
 def comparable(trees):

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -76,9 +75,9 @@ from typing import Any, Hashable, Optional, Sequence
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, EpisodeState, ParsedTurn, Task
 from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
-from trace_mega.rollout.react import ReactScaffold, error_observation
+from trace_mega.rollout.react import ReactScaffold, error_observation, turn_node
 from trace_mega.rollout.tools import ToolJob, ToolRunner
-from trace_mega.rollout.tree import Node, RolloutTree
+from trace_mega.rollout.tree import Node, RolloutTree, json_safe
 
 
 @dataclass
@@ -248,7 +247,7 @@ class AgentLoop:
                 prompt,
                 prompt_text=self.scaffold.decode(prompt),
                 gold_answer=task.gold_answer,
-                meta={"env": self.env.name, **_json_safe(task.meta)},
+                meta={"env": self.env.name, **json_safe(task.meta)},
             )
             self.env.reseed(derive_seed(seed, keys[ti], "reset"))
             root_state = self.env.reset(task)
@@ -484,13 +483,13 @@ class AgentLoop:
             if messages is None:
                 reward = float(self.env.reward(after, parsed.final_answer))
                 stats.successes += int(reward > 0.5)
-                self._add(ep, _node(gen, lp, [], "final", parsed, info, reward=reward), _TURN)
+                self._add(ep, turn_node(gen, lp, [], "final", parsed, info, reward=reward), _TURN)
                 return None
             ep.state = after
             info["next_turn"] = True
             if ep.turns >= self.cfg.max_turns:
                 info["truncated"] = "max_turns"
-                self._end(ep, _node(gen, lp, [], "final", parsed, info), stats, _TURN)
+                self._end(ep, turn_node(gen, lp, [], "final", parsed, info), stats, _TURN)
                 return None
             return _PendingTurn(ep, gen, lp, parsed, info, user=list(messages))
         if parsed.error is not None:
@@ -498,7 +497,7 @@ class AgentLoop:
             info["error"] = parsed.error
         if ep.turns >= self.cfg.max_turns:  # the limit ends the episode before the call runs
             info["truncated"] = "max_turns"
-            self._end(ep, _node(gen, lp, [], "error" if parsed.error else "tool", parsed, info), stats, _TURN)
+            self._end(ep, turn_node(gen, lp, [], "error" if parsed.error else "tool", parsed, info), stats, _TURN)
             return None
         job = None
         if parsed.error is None:
@@ -540,9 +539,9 @@ class AgentLoop:
         if len(ep.prefix) + len(gen) + len(obs) > self.cfg.max_total_tokens:
             info["truncated"] = "max_total_tokens"
             info["observation_dropped"] = True
-            self._end(ep, _node(gen, lp, [], kind, parsed, info, "\n".join(observations)), stats, _OBSERVED)
+            self._end(ep, turn_node(gen, lp, [], kind, parsed, info, "\n".join(observations)), stats, _OBSERVED)
             return False
-        self._add(ep, _node(gen, lp, obs, kind, parsed, info, "\n".join(observations)), _OBSERVED, ep.state)
+        self._add(ep, turn_node(gen, lp, obs, kind, parsed, info, "\n".join(observations)), _OBSERVED, ep.state)
         ep.prefix += gen + obs
         return True
 
@@ -591,42 +590,3 @@ class AgentLoop:
 # Numbering phases of a turn's node (`_commit`): an empty leaf for an episode that starts over the
 # token limit, a node that ends the episode at its turn, a node completed by its observation.
 _BEFORE, _TURN, _OBSERVED = 0, 1, 2
-
-
-def _node(
-    gen, lp, obs, kind, parsed: ParsedTurn, info: dict, observation: str = "", reward: Optional[float] = None
-) -> Node:
-    """A turn node: generated tokens (loss 1, behaviour log-probs) then observation tokens (loss 0)."""
-    if parsed.final_answer is not None:
-        action = parsed.final_answer
-    else:
-        action = (
-            json.dumps([{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls])
-            if parsed.tool_calls
-            else ""
-        )
-    return Node(
-        -1,
-        gen + obs,
-        [1] * len(gen) + [0] * len(obs),
-        lp + [0.0] * len(obs),
-        kind=kind,
-        text=parsed.raw,
-        thought=parsed.thought,
-        action=action,
-        observation=observation,
-        reward=reward,
-        info=info,
-    )
-
-
-def _json_safe(meta: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-serialisable entries of a task's metadata (the tree record must round-trip through JSONL)."""
-    out = {}
-    for k, v in meta.items():
-        try:
-            json.dumps(v)
-        except (TypeError, ValueError):
-            continue
-        out[str(k)] = v
-    return out

@@ -42,6 +42,7 @@ import re
 from typing import Any, Optional
 
 from trace_mega.envs.base import ParsedTurn, Task, ToolCall
+from trace_mega.rollout.tree import Node
 
 TOOL_TAG_RE = re.compile(r"</?tool_call>")
 ANSWER_TAG_RE = re.compile(r"</?answer>")
@@ -492,3 +493,30 @@ class ReactScaffold:
     ) -> ParsedTurn:
         """Decode and parse one generated turn."""
         return parse_turn(self.decode(generated_ids), tools, truncated=truncated, max_tool_calls=max_tool_calls)
+
+
+def turn_node(
+    gen, lp, obs, kind, parsed: ParsedTurn, info: dict, observation: str = "", reward: Optional[float] = None
+) -> Node:
+    """A turn node: generated tokens (loss 1, behaviour log-probs) then observation tokens (loss 0)."""
+    if parsed.final_answer is not None:
+        action = parsed.final_answer
+    else:
+        action = (
+            json.dumps([{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls])
+            if parsed.tool_calls
+            else ""
+        )
+    return Node(
+        -1,
+        gen + obs,
+        [1] * len(gen) + [0] * len(obs),
+        lp + [0.0] * len(obs),
+        kind=kind,
+        text=parsed.raw,
+        thought=parsed.thought,
+        action=action,
+        observation=observation,
+        reward=reward,
+        info=info,
+    )

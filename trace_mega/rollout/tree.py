@@ -577,3 +577,15 @@ def _old_nodes(old: Optional[PackedTrees], trees: list[RolloutTree]):
                 f"extend: tree {ti} ({tree.prompt_id!r}) is not the tree the layout was packed from with nodes appended"
             )
     return ids, start, length
+
+
+def json_safe(meta: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-serialisable entries of a task's metadata (the tree record must round-trip through JSONL)."""
+    out = {}
+    for k, v in meta.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        out[str(k)] = v
+    return out

@@ -1,6 +1,7 @@
 """The `torch` rollout engine on a tiny random Qwen3: exactness, seeded reuse-invariance, cache hits, weight sync."""
 
 import copy
+import random
 
 import pytest
 import torch
@@ -217,6 +218,64 @@ def test_prefix_cache_lru_bound_and_subsumption():
     assert cache.tokens_held == 9 and cache.lookup([7, 8])[1] == 0
     cache.insert(list(range(11)), _kv(11))  # larger than the whole budget: not stored
     assert cache.tokens_held == 9
+
+
+class _ScanCache:
+    """The prefix cache's contract as a plain scan over every stored sequence in LRU order."""
+
+    def __init__(self, max_tokens):
+        self.max_tokens, self.seqs = max_tokens, []  # least recently used first
+
+    @staticmethod
+    def _common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    def lookup(self, tokens):
+        best, best_len = None, 0
+        for s in self.seqs:
+            n = self._common(tokens, s)
+            if n >= best_len and n > 0:  # ties: the most recently used
+                best, best_len = s, n
+        if best is not None:
+            self.seqs.remove(best)
+            self.seqs.append(best)
+        return best, best_len
+
+    def insert(self, tokens):
+        if not tokens or len(tokens) > self.max_tokens:
+            return
+        for s in list(self.seqs):
+            common = self._common(tokens, s)
+            if common == len(tokens):
+                self.seqs.remove(s)
+                self.seqs.append(s)
+                return
+            if common == len(s):
+                self.seqs.remove(s)
+        self.seqs.append(list(tokens))
+        while sum(map(len, self.seqs)) > self.max_tokens:
+            self.seqs.pop(0)
+
+
+def test_prefix_cache_equals_a_scan_over_every_sequence():
+    # Random sequences over a 3-token vocabulary share prefixes, extend, cover and tie often.
+    rng = random.Random(0)
+    cache, ref = PrefixKVCache(max_tokens=60), _ScanCache(60)
+    for _ in range(3000):
+        tokens = [rng.randrange(3) for _ in range(rng.randint(1, 12))]
+        if rng.random() < 0.5:
+            entry, n = cache.lookup(tokens)
+            want, want_n = ref.lookup(tokens)
+            assert n == want_n and (entry is None) == (want is None)
+            assert entry is None or entry.tokens.tolist() == want
+        else:
+            cache.insert(tokens, _kv(len(tokens)))
+            ref.insert(tokens)
+        assert [e.tokens.tolist() for e in cache._entries.values()] == ref.seqs
+        assert cache.tokens_held == sum(map(len, ref.seqs))
 
 
 def test_bench_prefix_reuse_quick_runs_and_reuse_is_exact():

@@ -61,6 +61,19 @@ class _Entry:
     """Insertion number (orders batches reproducibly: a memory address would differ per process)."""
 
 
+class _TrieNode:
+    """One token position shared by the stored sequences that pass through it."""
+
+    __slots__ = ("children", "eids", "end")
+
+    def __init__(self) -> None:
+        self.children: dict[int, "_TrieNode"] = {}
+        self.eids: set[int] = set()
+        """Entries whose tokens pass through (or end at) this node."""
+        self.end: Optional[int] = None
+        """The entry whose tokens end exactly here (at most one: an identical insert is covered)."""
+
+
 class PrefixKVCache:
     """LRU store of per-sequence KV, looked up by the longest common token prefix.
 
@@ -69,59 +82,100 @@ class PrefixKVCache:
     a prefix with it. A new sequence replaces stored sequences it extends;
     eviction drops least-recently-used sequences until at most `max_tokens`
     tokens are held.
+
+    The stored token sequences form a trie, so a lookup or an insert costs
+    O(its length) whatever the number of stored sequences (a scan over every
+    stored sequence was the rollout's largest host cost with a few hundred
+    episodes in flight). Among the sequences sharing the longest prefix, a
+    lookup returns the most recently used.
     """
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self._entries: "OrderedDict[int, _Entry]" = OrderedDict()
+        self._used: dict[int, int] = {}
+        """Entry id -> recency stamp (larger: used later); orders ties inside one trie node."""
+        self._clock = 0
+        self._root = _TrieNode()
         self._next_id = 0
         self.tokens_held = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    @staticmethod
-    def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-        m = min(a.size, b.size)
-        diff = np.flatnonzero(a[:m] != b[:m])
-        return m if diff.size == 0 else int(diff[0])
+    def _touch(self, eid: int) -> None:
+        self._entries.move_to_end(eid)
+        self._clock += 1
+        self._used[eid] = self._clock
 
     def lookup(self, tokens: Sequence[int]) -> tuple[Optional[_Entry], int]:
         """The entry sharing the longest prefix with `tokens` and that length (0 and None: no hit)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        best_id, best_len = None, 0
-        for eid, entry in self._entries.items():
-            n = self._common_prefix(tokens, entry.tokens)
-            if n >= best_len and n > 0:  # ties go to the most recently used (iterated last)
-                best_id, best_len = eid, n
-        if best_id is None:
+        node, depth = self._root, 0
+        for t in _ints(tokens):
+            child = node.children.get(t)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        if depth == 0:
             return None, 0
-        self._entries.move_to_end(best_id)
-        return self._entries[best_id], best_len
+        eid = max(node.eids, key=self._used.__getitem__)
+        self._touch(eid)
+        return self._entries[eid], depth
 
     def insert(self, tokens: Sequence[int], kv: KV) -> None:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        n = tokens.size
+        toks = _ints(tokens)
+        n = len(toks)
         if n == 0 or n > self.max_tokens:
             return
-        for eid, entry in list(self._entries.items()):
-            common = self._common_prefix(tokens, entry.tokens)
-            if common == n:  # already covered by a sequence that extends this one
-                self._entries.move_to_end(eid)
-                return
-            if common == entry.tokens.size:  # the new sequence extends this one
-                self.tokens_held -= common
-                del self._entries[eid]
-        self._entries[self._next_id] = _Entry(tokens, kv, self._next_id)
+        node, extended = self._root, []
+        for t in toks:
+            node = node.children.get(t)
+            if node is None:
+                break
+            if node.end is not None:  # a stored sequence the new one extends
+                extended.append(node.end)
+        else:  # already covered by a sequence that extends this one (the least recently used)
+            self._touch(min(node.eids, key=self._used.__getitem__))
+            return
+        for eid in extended:
+            self._remove(eid)
+        eid, node = self._next_id, self._root
         self._next_id += 1
+        for t in toks:
+            node = node.children.setdefault(t, _TrieNode())
+            node.eids.add(eid)
+        node.end = eid
+        self._entries[eid] = _Entry(np.asarray(toks, dtype=np.int64), kv, eid)
+        self._touch(eid)
         self.tokens_held += n
         while self.tokens_held > self.max_tokens:
-            _, old = self._entries.popitem(last=False)
-            self.tokens_held -= old.tokens.size
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, eid: int) -> None:
+        entry = self._entries.pop(eid)
+        del self._used[eid]
+        self.tokens_held -= entry.tokens.size
+        node = self._root
+        for t in entry.tokens.tolist():
+            child = node.children[t]
+            child.eids.discard(eid)
+            if not child.eids:  # no other sequence below: drop the whole branch
+                del node.children[t]
+                return
+            node = child
+        node.end = None
 
     def clear(self) -> None:
         self._entries.clear()
+        self._used.clear()
+        self._root = _TrieNode()
         self.tokens_held = 0
+
+
+def _ints(tokens: Sequence[int]) -> Sequence[int]:
+    """Token ids as trie keys: a list as it is, an array as Python ints (numpy scalars hash and
+    compare equal to ints, only slower)."""
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
 
 
 @dataclass

@@ -353,6 +353,16 @@ class LossConfig:
     root-to-leaf path, or none. Needs old_logprobs: learner."""
     rollout_is_cap: float = 2.0
     """Cap C of the truncated importance weights (verl's rollout_is_threshold, default 2)."""
+    rollout_mask: Literal["none", "token", "sequence"] = "none"
+    """Mask of extreme-ratio tokens (IcePop / MIS, docs/learner.md "Training-inference mismatch"): a token
+    (token) or every token of a root-to-leaf path (sequence) whose ratio pi_old / pi_engine lies outside
+    [rollout_mask_low, rollout_mask_high] gets weight 0 on the policy surrogate; multiplies the
+    rollout_is weights (token IS with cap = rollout_mask_high and a token mask is IcePop). Needs
+    old_logprobs: learner."""
+    rollout_mask_low: float = 0.5
+    """Lower bound of the kept ratio pi_old / pi_engine (IcePop's 0.5)."""
+    rollout_mask_high: float = 2.0
+    """Upper bound of the kept ratio pi_old / pi_engine (IcePop's 2)."""
 
     def validate(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high"):
@@ -367,6 +377,13 @@ class LossConfig:
             self.rollout_is == "none" or self.old_logprobs == "learner",
             "rollout_is",
             "corrects the learner's old log-probs against the engine's; needs old_logprobs: learner",
+        )
+        require(0 < self.rollout_mask_low <= 1, "rollout_mask_low", "must be in (0, 1] (ratio 1 is kept)")
+        require(self.rollout_mask_high >= 1, "rollout_mask_high", "must be >= 1 (ratio 1 is kept)")
+        require(
+            self.rollout_mask == "none" or self.old_logprobs == "learner",
+            "rollout_mask",
+            "masks by the learner's old log-probs against the engine's; needs old_logprobs: learner",
         )
 
 

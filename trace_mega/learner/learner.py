@@ -55,7 +55,8 @@ from trace_mega.learner.models import build_model, model_config_from_hf, output_
 from trace_mega.learner.optim import build_optimizer, forward_only, megatron_packed_forward, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
 from trace_mega.objective.advantages import Advantages
-from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, rollout_is_weights, unit_count
+from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, unit_count
+from trace_mega.objective.mismatch import mismatch_metrics, rollout_correction
 from trace_mega.ops.attention import tree_attention_mask
 from trace_mega.ops.balance import balanced_bins
 from trace_mega.ops.logprobs import packed_token_logprobs
@@ -108,7 +109,7 @@ def _step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
         "loss/skipped": sum(r["skipped"] for r in steps),
         "loss/optimizer_steps": float(len(steps)),
     }
-    out["loss/logprob_mismatch"] = total.pop("mismatch_tok_sum") / tokens
+    out.update(mismatch_metrics(total))  # mismatch/* and loss/logprob_mismatch, over the finite loss tokens
     out["loss/token_entropy"] = total.pop("entropy_tok_sum") / tokens
     for k, v in total.items():
         if k.endswith("_tok_sum"):
@@ -403,7 +404,8 @@ class Learner:
           log-probs, detached, are the old ones (no extra forward; the update is the plain
           policy gradient, identical to a single on-policy step);
         * behaviour — the rollout engine's sampling log-probs stored on the trees.
-        `loss.rollout_is` multiplies the surrogate by truncated weights min(π_old/π_engine, C).
+        `loss.rollout_is` multiplies the surrogate by truncated weights min(π_old/π_engine, C),
+        `loss.rollout_mask` by 0 where that ratio is extreme (`objective.mismatch`).
         Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima).
 
         Returns the metrics and the hidden states under the pre-update weights of the trees this
@@ -491,15 +493,10 @@ class Learner:
             behaviour = mb.behaviour_logprobs.to(lp)
             old = (lp.detach() if on_policy else batch["old_logprobs"]) if cfg.old_logprobs == "learner" else behaviour
             mask = mb.loss_mask.to(lp.device)
-            metrics = {}
-            is_w = None
-            if cfg.rollout_is != "none":
-                is_w, is_m = rollout_is_weights(old, behaviour, lb, cfg.rollout_is, cfg.rollout_is_cap)
-                metrics = {
-                    "rollout_is_mean_tok_sum": is_m["rollout_is_mean"] * mask.sum(),
-                    "rollout_is_capped_fraction_tok_sum": is_m["rollout_is_capped_fraction"] * mask.sum(),
-                    "rollout_is_max": is_m["rollout_is_max"],
-                }
+            # engine-vs-learner mismatch at the rollout weights (the current ones when on-policy),
+            # and the rollout correction's weights (truncated IS, extreme-ratio mask)
+            learner_lp = lp.detach() if cfg.old_logprobs == "behaviour" else old
+            is_w, metrics = rollout_correction(old, behaviour, learner_lp, lb, cfg)
             out = compute_loss(
                 lp, lb, cfg, old_logprobs=old, ref_logprobs=batch.get("ref_logprobs"), entropy=ent, is_weights=is_w
             )
@@ -508,9 +505,6 @@ class Learner:
                 metrics[k if k.endswith("_max") else f"{k}_sum"] = v.detach().float() * (
                     1 if k.endswith("_max") else units
                 )
-            # engine-vs-learner mismatch at the rollout weights (the current ones when on-policy)
-            ref_lp = lp.detach() if cfg.old_logprobs == "behaviour" else old
-            metrics["mismatch_tok_sum"] = ((ref_lp - behaviour).abs() * mask).sum()
             metrics["entropy_tok_sum"] = (ent.detach() * mask).sum()
             metrics["mask_tokens"] = mask.sum().float()
             return out.loss * units, units, metrics

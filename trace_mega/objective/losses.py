@@ -236,40 +236,74 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: Optional[fl
     return kl if clamp is None else kl.clamp(max=clamp)
 
 
-def rollout_is_weights(
-    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, batch: LossBatch, mode: str, cap: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(T,) detached truncated importance weights of the learner's π_old against the engine's π_beh.
+def _mean_over_paths(values: torch.Tensor, index: torch.Tensor, packed: PackedTrees) -> torch.Tensor:
+    """(T,) the mean of per-path `values` (P,) over the root-to-leaf paths through each token (1 where none).
 
-    token:    w_t = min(π_old(y_t) / π_beh(y_t), C)
-    sequence: w_p = min(Π_{t∈p} π_old(y_t) / π_beh(y_t), C) per root-to-leaf path p; a token gets the
-              mean of w_p over the paths through it (the leaves below its node)
-    Both are 1 off the loss mask; the log-ratios are clamped to ±20 (token) before exp and the
-    sequence log-weight to at most log C, so nothing overflows. Metrics: mean and max of the
-    weight and the fraction of loss tokens whose raw weight exceeded C.
+    `index` (P, S) is `path_token_index`; a token lies on the n_t paths below its node.
+    """
+    valid = index >= 0
+    rows = valid.nonzero()[:, 0]
+    n = packed.node_leaf_count[packed.token_node].to(values)  # (T,)
+    total = values.new_zeros(packed.num_tokens).index_add(0, index[valid], values[rows])
+    return torch.where(n > 0, total / n.clamp(min=1), torch.ones_like(total))
+
+
+def rollout_is_weights(
+    old_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    batch: LossBatch,
+    mode: str,
+    cap: float,
+    mask_mode: str = "none",
+    mask_bounds: tuple[float, float] = (0.5, 2.0),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(T,) detached rollout-correction weights of the learner's π_old against the engine's π_beh.
+
+    With d_t = logπ_old(y_t) − logπ_beh(y_t), r_t = exp(d_t), a path's log-ratio D_p = Σ_{t∈p} d_t:
+    truncated IS (`mode`)      none: 1;  token: min(r_t, C);  sequence: min(exp(D_p), C)
+    mask (`mask_mode`, [lo, hi])  none: 1;  token: 1[lo ≤ r_t ≤ hi];  sequence: 1[lo ≤ exp(D_p) ≤ hi]
+    w = IS · mask; factors of a path multiply per path and a token gets the mean of that product over
+    the paths through it (the leaves below its node), the flattened trajectories' weight. Token IS
+    with C = hi and a token mask is IcePop (verl's rollout_is_threshold "lo_hi"). A loss token whose
+    engine log-prob is NaN or ±inf gets w = 0 and counts as masked; w = 1 off the loss mask. The
+    token log-ratio is clamped to ±20 before exp and D_p to at most log C, so nothing overflows.
+    Metrics (over loss tokens): mean and max of w, the fraction whose raw IS weight exceeded C,
+    masked_fraction (1 − the mask factor, non-finite tokens included).
     """
     packed = batch.packed
     mask = packed.loss_mask.to(old_logprobs.device)
-    d = torch.where(mask, (old_logprobs - behaviour_logprobs.to(old_logprobs)).detach(), 0.0)  # (T,)
-    log_cap = math.log(cap)
+    beh = behaviour_logprobs.to(old_logprobs)
+    live = mask & torch.isfinite(beh) & torch.isfinite(old_logprobs)
+    d = torch.where(live, (old_logprobs - beh).detach(), 0.0)  # (T,), finite
+    log_cap, log_lo, log_hi = math.log(cap), math.log(mask_bounds[0]), math.log(mask_bounds[1])
+    w = torch.ones_like(d)
+    keep = live.to(d.dtype)  # (T,) the mask factor
+    capped = torch.zeros_like(mask)
     if mode == "token":
-        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        capped = d > log_cap
-        w = torch.exp(d.clamp(max=log_cap))
-    elif mode == "sequence":
-        index, share, _ = _path_layout(batch)  # (P, S)
-        live = share > 0
-        log_w = torch.where(live, d[index], 0.0).sum(1)  # (P,) Σ_{t∈p} log ratio
-        w_path = torch.exp(log_w.clamp(max=log_cap))
-        path_capped = (log_w > log_cap).to(w_path.dtype)
-        # Mean over the paths through each token: scatter each path's value onto its tokens.
-        tok = index[live]
-        n = packed.node_leaf_count[packed.token_node].to(w_path)  # (T,) paths through each token
-        rows = live.nonzero()[:, 0]
-        w = w_path.new_zeros(d.shape).index_add(0, tok, w_path[rows]) / n.clamp(min=1)
-        capped = w_path.new_zeros(d.shape).index_add(0, tok, path_capped[rows]) / n.clamp(min=1) > 0.5
-    else:
+        dc = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        capped = dc > log_cap
+        w = torch.exp(dc.clamp(max=log_cap))
+    elif mode not in ("none", "sequence"):
         raise ValueError(f"unknown rollout_is {mode!r}; valid: none, token, sequence")
+    if mask_mode == "token":
+        keep = keep * ((d >= log_lo) & (d <= log_hi)).to(d.dtype)
+    elif mask_mode not in ("none", "sequence"):
+        raise ValueError(f"unknown rollout_mask {mask_mode!r}; valid: none, token, sequence")
+    if "sequence" in (mode, mask_mode):
+        index = path_token_index(packed)  # (P, S), -1 on padding
+        log_w = torch.where(index >= 0, d[index.clamp(min=0)], 0.0).sum(1)  # (P,) D_p
+        path_w, path_keep = torch.ones_like(log_w), torch.ones_like(log_w)
+        if mode == "sequence":
+            path_w = torch.exp(log_w.clamp(max=log_cap))
+            capped = _mean_over_paths((log_w > log_cap).to(d.dtype), index, packed) > 0.5
+        if mask_mode == "sequence":
+            path_keep = ((log_w >= log_lo) & (log_w <= log_hi)).to(d.dtype)
+            keep = keep * _mean_over_paths(path_keep, index, packed)
+        # w·keep per path first, then the mean: a shared token's weight is its flattened paths' mean.
+        w = w * _mean_over_paths(path_w * path_keep, index, packed)
+        w = torch.where(keep > 0, w, 0.0)  # a non-finite or token-masked token stays 0
+    else:
+        w = w * keep
     w = torch.where(mask, w, torch.ones_like(w))
     mf = mask.to(w.dtype)
     cnt = mf.sum().clamp(min=1)
@@ -277,6 +311,7 @@ def rollout_is_weights(
         "rollout_is_mean": (w * mf).sum() / cnt,
         "rollout_is_max": (w * mf).max() if w.numel() else w.sum(),
         "rollout_is_capped_fraction": (capped.to(w.dtype) * mf).sum() / cnt,
+        "masked_fraction": ((1.0 - keep) * mf).sum() / cnt,
     }
     return w.detach(), metrics
 
@@ -289,7 +324,10 @@ def _inputs(logprobs, batch: LossBatch, old_logprobs):
     old = packed.behaviour_logprobs if old_logprobs is None else old_logprobs
     # Non-loss tokens get x = 0 (ratio 1) so nothing there can overflow into a 0-weighted inf;
     # the clamp bounds every ratio (its gradient is 0 beyond ±20: such a token is off-policy noise).
-    x = torch.where(mask, logprobs - old.to(logprobs), torch.zeros_like(logprobs))
+    # A non-finite old log-prob (an engine's NaN / -inf with old_logprobs: behaviour) gets x = 0 too;
+    # the rollout-correction weights give that token 0.
+    old = old.to(logprobs)
+    x = torch.where(mask & torch.isfinite(old), logprobs - old, torch.zeros_like(logprobs))
     return mask, x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), batch.advantages.to(logprobs)
 
 

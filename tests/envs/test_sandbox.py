@@ -196,6 +196,20 @@ def test_a_bomb_does_not_disturb_concurrent_calls(sandbox):
     assert _no_children_left()
 
 
+def test_sixty_four_jailed_calls_at_once_each_under_its_own_uid():
+    """The agent loop runs every live episode's tool call at once: the uid pool and the per-uid
+    process limit must not be what bounds it. Each call holds its uid lease from before its
+    interpreter starts until after it exits, so 64 calls sleeping together hold 64 uids."""
+    require_jail()
+    box = Sandbox(limits=SandboxLimits(**{**LIMITS.__dict__, "wall_s": 120.0}), max_workers=64)
+    results = box.run_many(["import os, time\ntime.sleep(5)\nprint(os.getuid())"] * 64)
+    box.close()
+    assert [r.status for r in results] == ["ok"] * 64
+    uids = {int(r.output) for r in results}
+    assert len(uids) == 64 and min(uids) >= 61000
+    assert _no_children_left()
+
+
 def test_bad_isolation_name_and_limits():
     with pytest.raises(ValueError, match="bwrap, weak"):
         Sandbox(isolation="chroot")

@@ -176,7 +176,9 @@ class MathPythonEnv(Env):
 
     `train_path` / `test_path`: a file or a list of files (one per benchmark); both default
     to the ten shipped problems.
-    `isolation` ("bwrap" | "weak") and `uid_base` are the sandbox's (`Sandbox`).
+    `isolation` ("bwrap" | "weak") and `uid_base` are the sandbox's (`Sandbox`); `max_workers`
+    bounds its interpreters at once (64: the agent loop runs every live episode's tool call at
+    once, up to `env.max_concurrent_tool_calls`; `bench_sandbox` measures the jail at 64 at once).
     `on_bad_row`: "error" (a malformed problem row raises `DataError` naming its file, line or
     row, and field) or "skip" (bad rows are left out, one warning per file).
     """
@@ -188,7 +190,7 @@ class MathPythonEnv(Env):
         train_path: Optional[str | list[str]] = None,
         test_path: Optional[str | list[str]] = None,
         limits: Optional[SandboxLimits] = None,
-        max_workers: int = 4,
+        max_workers: int = 64,
         isolation: str = "bwrap",
         uid_base: int = DEFAULT_UID_BASE,
         on_bad_row: str = "error",

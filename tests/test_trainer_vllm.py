@@ -81,7 +81,9 @@ def _vllm_env() -> dict:
 def test_vllm_replicas_under_torchrun_equal_one_process(tmp_path, layout):
     """Two ranks under torchrun, each with vLLM's `external_launcher` engine in the trainer's own
     process group: two TP = 1 replicas (dp2), or one replica sharded TP = 2 over both ranks with the
-    learner at TP = 2 (tp2). Either logs what one process with one vLLM engine logs."""
+    learner at TP = 2 (tp2). Either logs what one process with one vLLM engine logs, although the
+    one process's tools answer at once and the two ranks' take seeded lognormal time (20 ms median,
+    sigma 1): requests reach vLLM in another order and at other engine steps, the trees do not move."""
     import subprocess as sp
 
     from test_trainer import CONFIG, SMALL, _rows
@@ -103,7 +105,10 @@ def test_vllm_replicas_under_torchrun_equal_one_process(tmp_path, layout):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one = _rows(out)
     extra = ["parallel.tensor_model_parallel_size=2"] if layout == "tp2" else []
-    two = _torchrun(tmp_path / "two", *VLLM, *extra, env=_vllm_env())
+    latency = "env.options={num_tasks: 16, tool_latency_ms: 20, tool_latency_sigma: 1}"
+    two = _torchrun(tmp_path / "two", *VLLM, *extra, latency, env=_vllm_env())
     assert sum(r["reward/mean"] for r in one) > 0 and any(r["loss/total"] != 0 for r in one)
     assert all(r["loss/logprob_mismatch"] < 1e-5 for r in two)
+    # The latency was there: episodes waited on their tools at least ~5 ms per call.
+    assert all(r["rollout/tool_wait_s"] > 0.005 * r["rollout/tool_calls"] > 0 for r in two)
     assert_same_run(one, two, replicas=2 if layout == "dp2" else 1)

@@ -216,6 +216,7 @@ class SearchTranscriptEngine(_TranscriptEngine):
         return {**cfg.env.options, "num_tasks": cfg.num_stores, "num_test_tasks": 0, "seed": 10_007 + cfg.seed}
 
 
+@TRANSCRIPT_POLICIES.register("synthetic_levels")
 @TRANSCRIPT_POLICIES.register("synthetic_tools")
 class WalkTranscriptEngine(_TranscriptEngine):
     """The partly competent walker of ``synthetic_tools`` (module docstring); reads only the prefix."""

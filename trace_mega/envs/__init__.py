@@ -9,6 +9,7 @@ from trace_mega.envs import (
     math_python,  # noqa: F401  (registers math_python)
     multihop_qa,  # noqa: F401  (registers multihop_qa)
     synthetic,  # noqa: F401  (registers synthetic, synthetic_tools)
+    synthetic_levels,  # noqa: F401  (registers synthetic_levels)
     synthetic_search,  # noqa: F401  (registers synthetic_search)
 )
 from trace_mega.envs.base import ENVS, Env, EpisodeState, ParsedTurn, Task, ToolCall

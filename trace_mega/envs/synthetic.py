@@ -69,6 +69,22 @@ MOVE_LEFT = call_token("move", {"dir": "left"})
 MOVE_RIGHT = call_token("move", {"dir": "right"})
 REVEAL = call_token("reveal", {})
 ACTION_TOKENS = [MOVE_LEFT, MOVE_RIGHT, REVEAL, ANSWER_DONE]
+WALK_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "description": "move one cell",
+            "parameters": {
+                "type": "object",
+                "properties": {"dir": {"type": "string", "enum": ["left", "right"]}},
+                "required": ["dir"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+"""The walk's one tool (`synthetic_tools`, `synthetic_levels`); shared read-only by every task."""
 
 
 def tiny_tokenizer():
@@ -258,21 +274,7 @@ class SyntheticToolsEnv(_SeededEnv):
             raise ValueError(f"synthetic_tools: slip_in_prompt=level states slips in tenths; got {list(slips)}")
         super().__init__(seed, tool_latency_ms, tool_latency_sigma)
         self.width = width
-        self.tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": "move",
-                    "description": "move one cell",
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"dir": {"type": "string", "enum": ["left", "right"]}},
-                        "required": ["dir"],
-                        "additionalProperties": False,
-                    },
-                },
-            }
-        ]
+        self.tools = WALK_TOOLS
         self._tasks = []
         for slip in slips:
             for start in range(width):

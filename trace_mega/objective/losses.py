@@ -46,7 +46,8 @@ Numerical guards (every loss): x_t is clamped to ±`LOG_RATIO_CLAMP` (20, as ver
 no ratio overflows; dual-clip (`dual_clip_c` = c, default 3): for A < 0 the clipped surrogate is
 further bounded, ℓ = min(ℓ, −c A) (for gspo on the sequence ratio), so a token (sequence) whose
 ratio ran away cannot dominate the batch. Rollout importance weights (`is_weights`, (T,) detached,
-see `rollout_is_weights`) multiply each token's surrogate before aggregation.
+see `rollout_is_weights`: truncated IS times the extreme-ratio mask, 0 for a non-finite engine log-prob)
+multiply each token's surrogate before aggregation.
 
 Metrics (detached scalars): policy_loss, loss, clip_fraction (share of the aggregation weight
 whose min picked the clipped branch; gspo: share of sequences outside the clip range),

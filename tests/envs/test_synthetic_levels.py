@@ -160,3 +160,19 @@ def test_warm_start_transcripts_use_the_train_split_only():
     transcripts_env = build_env("synthetic_levels", **WalkTranscriptEngine.env_options(cfg))
     rl_env = build_env("synthetic_levels", test_fraction=0.3)
     assert [t.task_id for t in transcripts_env.tasks("train")] == [t.task_id for t in rl_env.tasks("train")]
+
+
+def test_walker_success_is_the_transcript_walkers():
+    env = SyntheticLevelsEnv()
+    tasks = env.tasks("train") + env.tasks("test")
+    assert max(abs(env.walker_success(t, 10, 1.0, 0.15) - env.greedy_success(t, 10)) for t in tasks) < 1e-12
+    # the real transcript engine through the agent loop, 1,024 episodes of two tasks
+    picked = [next(t for t in tasks if _params(t) == p) for p in [(1, 4, 3), (7, 2, 0)]]
+    loop = _walker_loop(env, correct_action_prob=0.85)
+    try:
+        trees = loop.rollout(picked, [512, 512], seed=3)
+    finally:
+        loop.close()
+    for task, tree in zip(picked, trees):
+        exact = env.walker_success(task, 10, 0.85, 0.15)
+        assert 0.2 < exact < 0.9 and statistics.fmean(tree.leaf_rewards()) == pytest.approx(exact, abs=0.07)

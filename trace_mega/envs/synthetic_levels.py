@@ -116,6 +116,34 @@ class SyntheticLevelsEnv(SyntheticToolsEnv):
             raise ValueError(f"synthetic_levels: unknown split {split!r}; valid: {', '.join(SPLITS)}")
         return list(self._splits[split])
 
+    def walker_success(self, task: Task, max_turns: int, correct_action_prob: float, answer_prob: float) -> float:
+        """Exact success rate of the warm start's transcript walker (`WalkTranscriptEngine` in
+        trace_mega/commands/pretrain.py): each turn but the last (which answers) it takes the right action
+        with probability c = `correct_action_prob` (answer on the goal, else a move towards it), else on the
+        goal a random move, off it an answer with probability a = `answer_prob` or a move away.
+
+        Dynamic programme over (turns left t, cell x), V_1(x) = [x == goal]:
+        V_t(goal) = c + (1 - c) / 2 · Σ_dir M_t(dir), V_t(x) = c · M_t(towards) + (1 - c)(1 - a) · M_t(away),
+        with M_t(dir) = slip · V_{t-1}(x) + (1 - slip) · V_{t-1}(x + dir) (V_{t-1}(x) into an edge).
+        """
+        goal, slip, c, a = task.meta["goal"], task.meta["slip"], correct_action_prob, answer_prob
+        value = [float(x == goal) for x in range(self.width)]  # the last turn answers
+        for _ in range(max_turns - 1):
+            move = [  # move[x][dir]: M(dir) from cell x, dir 0 = left, 1 = right
+                [
+                    value[x] if self._blocked(task, y) else slip * value[x] + (1 - slip) * value[y]
+                    for y in (x - 1, x + 1)
+                ]
+                for x in range(self.width)
+            ]
+            value = [
+                c + (1 - c) / 2 * sum(move[x])
+                if x == goal
+                else c * move[x][goal > x] + (1 - c) * (1 - a) * move[x][goal < x]
+                for x in range(self.width)
+            ]
+        return value[task.meta["start"]]
+
     @staticmethod
     def greedy_success(task: Task, max_turns: int) -> float:
         """Exact success rate of the greedy policy (always towards the goal, answer on it): the ceiling a

@@ -52,11 +52,17 @@ def test_summary_rows_macro_markdown_and_json(tmp_path):
     m = rep.metrics()
     assert m["eval/test/pass@1"] == pytest.approx(0.25) and m["eval/test/aime/pass@2"] == aime["pass@2"]
     assert m["eval/test/reward"] == m["eval/test/mean@4"] and m["eval/test/macro/pass@4"] == 0.5
+    # tasks by solved samples 0..4: m0 none, a0 one, a1 two; the all-0 / all-1 shares per group
+    assert rep.solved_histogram() == [1, 1, 1, 0, 0]
+    assert m["eval/test/none_solved"] == pytest.approx(1 / 3) and m["eval/test/all_solved"] == 0.0
+    assert m["eval/test/math500/none_solved"] == 1.0 and m["eval/test/aime/none_solved"] == 0.0
     md = rep.markdown()
     assert md.splitlines()[0] == "| test | tasks | mean@4 | pass@1 | pass@2 | pass@4 |"
+    assert "| solved samples | 0 | 1 | 2 | 3 | 4 |" in md and "| tasks | 1 | 1 | 1 | 0 | 0 |" in md
     assert "| aime | 2 | 37.5 | 37.5 | 66.7 | 100.0 |" in md and "| **macro** | 3 | 18.8 |" in md
     js, mdp = rep.write(tmp_path, "test")
     data = json.loads(js.read_text())
+    assert data["solved_histogram"] == [1, 1, 1, 0, 0]
     assert data["rows"]["aime"]["pass@4"] == 1.0 and data["tasks"][2] == {
         "task_id": "m0",
         "group": "math500",
@@ -67,6 +73,7 @@ def test_summary_rows_macro_markdown_and_json(tmp_path):
     f1 = summarize([TaskResult("q", "hotpotqa", [0.4, 0.8])], ks=[1, 2])
     assert list(f1.rows) == ["all"] and f1.rows["all"]["mean@2"] == pytest.approx(0.6)
     assert f1.rows["all"]["pass@1"] == 0.5 and f1.rows["all"]["pass@2"] == 1.0
+    assert f1.solved_histogram() == [0, 1, 0] and f1.rows["all"]["all_solved"] == 0.0
     with pytest.raises(ValueError, match="same number"):
         summarize([TaskResult("a", "g", [1, 0]), TaskResult("b", "g", [1])], ks=[1])
     with pytest.raises(ValueError, match="every k"):

@@ -9,7 +9,11 @@ with c solved samples out of n:
   Large Language Models Trained on Code"), for every k in 1..n;
 * mean@n — the mean reward of the n samples (for binary rewards the accuracy,
   equal to pass@1; for F1-style rewards the mean score). It is also the
-  unbiased estimate of mean@k for every k <= n.
+  unbiased estimate of mean@k for every k <= n;
+* none_solved / all_solved — the share of tasks with no / every sample solved:
+  under uniform sampling with groups of n, the prompts whose group has no
+  contrast (paper Fig. 2a). The report also counts the tasks by number of
+  solved samples, 0..n (`EvalReport.solved_histogram`).
 
 Tasks are grouped by the benchmark they come from — the first of their meta
 fields `benchmark`, `data_source`, `source` (math files: the file name),
@@ -68,8 +72,17 @@ class EvalReport:
     n: int
     ks: list[int]
     rows: dict[str, dict[str, float]]
-    """Group (and `all`, `macro`) -> {"tasks", "mean@n", "pass@k" for each k}."""
+    """Group (and `all`, `macro`) -> {"tasks", "mean@n", "pass@k" for each k, "none_solved", "all_solved"}."""
     tasks: list[TaskResult] = field(default_factory=list)
+    success_threshold: float = 0.5
+    """A sample is solved when its reward is above this."""
+
+    def solved_histogram(self) -> list[int]:
+        """Tasks by number of solved samples: entry c counts the tasks with c of n solved, c = 0..n."""
+        counts = [0] * (self.n + 1)
+        for t in self.tasks:
+            counts[sum(r > self.success_threshold for r in t.rewards)] += 1
+        return counts
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         """Flat scalars for the metrics sink: `<prefix>/<split>/pass@1` (all tasks) and
@@ -91,7 +104,16 @@ class EvalReport:
             cells = [f"{row['tasks']:.0f}"] + [f"{100 * row[c]:.1f}" for c in cols[1:]]
             name = f"**{group}**" if group in ("all", "macro") else group
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        return "\n".join(lines) + f"\n\nmean@{self.n} and pass@k in %; n = {self.n} samples per task.\n"
+        lines += ["", f"mean@{self.n} and pass@k in %; n = {self.n} samples per task."]
+        if self.tasks:
+            hist = self.solved_histogram()
+            lines += [
+                "",
+                "| solved samples | " + " | ".join(str(c) for c in range(self.n + 1)) + " |",
+                "|---|" + "---:|" * (self.n + 1),
+                "| tasks | " + " | ".join(str(h) for h in hist) + " |",
+            ]
+        return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,6 +121,8 @@ class EvalReport:
             "n": self.n,
             "ks": self.ks,
             "rows": self.rows,
+            "success_threshold": self.success_threshold,
+            "solved_histogram": self.solved_histogram(),
             "tasks": [{"task_id": t.task_id, "group": t.group, "rewards": t.rewards} for t in self.tasks],
         }
 
@@ -128,11 +152,12 @@ def summarize(
         raise ValueError(f"every k must be in 1..{n}, got {ks}")
 
     def row(items: Sequence[TaskResult]) -> dict[str, float]:
+        solved = [sum(r > success_threshold for r in t.rewards) for t in items]
         out = {"tasks": float(len(items)), f"mean@{n}": statistics.fmean(statistics.fmean(t.rewards) for t in items)}
         for k in ks:
-            out[f"pass@{k}"] = statistics.fmean(
-                pass_at_k(n, sum(r > success_threshold for r in t.rewards), k) for t in items
-            )
+            out[f"pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in solved)
+        out["none_solved"] = statistics.fmean(float(c == 0) for c in solved)
+        out["all_solved"] = statistics.fmean(float(c == n) for c in solved)
         return out
 
     groups: dict[str, list[TaskResult]] = {}
@@ -145,7 +170,9 @@ def summarize(
         rows["all"], rows["macro"] = row(results), macro
     else:
         rows = {"all": row(results)}
-    return EvalReport(split=split, n=n, ks=list(ks), rows=rows, tasks=list(results))
+    return EvalReport(
+        split=split, n=n, ks=list(ks), rows=rows, tasks=list(results), success_threshold=success_threshold
+    )
 
 
 def results_from_trees(trees: Sequence[Any]) -> list[TaskResult]:

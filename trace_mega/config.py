@@ -242,6 +242,10 @@ class ModelConfig:
     """Expert inner width (None: ffn_hidden_size)."""
     moe_norm_topk_prob: bool = True
     """Renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE norm_topk_prob)."""
+    moe_routing_replay: Literal["rollout", "none"] = "rollout"
+    """MoE policies: `rollout` — the rollout engine records each token's experts in every MoE layer and
+    the learner's policy forwards replay them (docs/learner.md, "MoE routing replay"); `none` — the
+    learner routes on its own. Ignored for dense models."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype."""
     attention_backend: Literal["auto", "sdpa", "tree_triton"] = "auto"

@@ -54,6 +54,7 @@ from trace_mega.learner.convert import export_hf, load_hf_into, save_hf
 from trace_mega.learner.models import build_model, model_config_from_hf, output_weight, unwrap
 from trace_mega.learner.optim import build_optimizer, forward_only, megatron_packed_forward, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
+from trace_mega.learner.routing_replay import install, take_metrics
 from trace_mega.objective.advantages import Advantages
 from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, unit_count
 from trace_mega.objective.mismatch import mismatch_metrics, rollout_correction
@@ -188,6 +189,10 @@ class Learner:
         policy = build_model(self.model_cfg, cfg.parallel, g.pgs, g.device, g.pp_rank, g.pp_size)
         if cfg.model.hf_checkpoint:
             load_hf_into(policy, cfg.model.hf_checkpoint, g)
+        # R3 on the policy only: the reference routes on its own (docs/learner.md).
+        self.replays_routes = bool(self.model_cfg.num_experts) and cfg.model.moe_routing_replay == "rollout"
+        if self.replays_routes:
+            install(policy)
         self.chunks = [wrap_ddp(policy, cfg.parallel, g)]
         self.optimizer, self.scheduler = build_optimizer(self.chunks, cfg.optim, cfg.parallel, g)
         self.reference = None
@@ -232,9 +237,14 @@ class Learner:
         mask = tree_attention_mask(node.to(dev), node_exit.to(dev))
         return tokens[None].to(dev), positions[None].to(dev), mask
 
-    def _batch(self, packed: PackedTrees, trees: slice = slice(None)) -> dict:
+    def _batch(self, packed: PackedTrees, trees: slice = slice(None), routing: Optional[torch.Tensor] = None) -> dict:
+        """Model inputs of `_inputs`, and the (1, T, L, k) rows of `routing` (the layout's (T, L, k)
+        engine routes) of those trees."""
         ids, pos, mask = self._inputs(packed, trees)
-        return {"input_ids": ids, "position_ids": pos, "tree_mask": mask}
+        out = {"input_ids": ids, "position_ids": pos, "tree_mask": mask}
+        if routing is not None:
+            out["routing"] = routing[packed.tree_tokens(range(packed.num_trees)[trees])][None].to(ids.device)
+        return out
 
     def _to_all_stages(self, t: torch.Tensor) -> torch.Tensor:
         """`t` as the last pipeline stage holds it, on every stage of this rank's PP group (in place;
@@ -245,10 +255,10 @@ class Learner:
         return t
 
     @torch.no_grad()
-    def hidden_states(self, packed: PackedTrees) -> torch.Tensor:
+    def hidden_states(self, packed: PackedTrees, routing: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(T, H) policy hidden states after the final norm (no grad) on every rank: one pipelined
         forward of runs of consecutive trees holding at most `parallel.micro_batch_tokens` tokens
-        each, computed on the last stage and broadcast over PP."""
+        each, computed on the last stage and broadcast over PP. `routing`: (T, L, k) MoE routes to replay."""
         hidden = torch.zeros(packed.num_tokens, self.hidden_size, device=self.groups.device, dtype=self.dtype)
         if packed.num_tokens == 0:
             return hidden
@@ -260,7 +270,7 @@ class Learner:
                 first, used = i, 0
             used += n
         runs.append(slice(first, len(sizes)))
-        out = forward_only(self.chunks[0], [self._batch(packed, r) for r in runs])
+        out = forward_only(self.chunks[0], [self._batch(packed, r, routing) for r in runs])
         if out:
             hidden.copy_(torch.cat([h[0, : sum(sizes[r])] for h, r in zip(out, runs)]))
         return self._to_all_stages(hidden)
@@ -354,15 +364,15 @@ class Learner:
 
     # --- training ------------------------------------------------------------------
     @torch.no_grad()
-    def old_logprobs(self, packed: PackedTrees, return_hidden: bool = False):
+    def old_logprobs(self, packed: PackedTrees, return_hidden: bool = False, routing: Optional[torch.Tensor] = None):
         """(T,) policy log-probs of `packed`'s loss tokens (no grad; on the last pipeline stage, None
         on the others), and with `return_hidden` the (T, H) final hidden states of every token they
         came from (on every rank).
 
         Pass the log-probs to `train_step(..., old_logprobs=...)` to reuse this forward as the PPO
-        reference; the forward is chunked like `hidden_states`.
+        reference; the forward is chunked like `hidden_states` (and replays `routing` like it).
         """
-        hidden = self.hidden_states(packed)
+        hidden = self.hidden_states(packed, routing)
         lp = self._logprobs(hidden, self.policy, packed) if self.groups.is_last_stage else None
         return (lp, hidden) if return_hidden else lp
 
@@ -390,7 +400,11 @@ class Learner:
         return out
 
     def train_step(
-        self, packed: PackedTrees, advantages: Advantages, old_logprobs: Optional[torch.Tensor] = None
+        self,
+        packed: PackedTrees,
+        advantages: Advantages,
+        old_logprobs: Optional[torch.Tensor] = None,
+        routing: Optional[torch.Tensor] = None,
     ) -> PolicyUpdate:
         """The step's policy update over the trees of `packed` with their `advantages`.
 
@@ -406,7 +420,9 @@ class Learner:
         * behaviour — the rollout engine's sampling log-probs stored on the trees.
         `loss.rollout_is` multiplies the surrogate by truncated weights min(π_old/π_engine, C),
         `loss.rollout_mask` by 0 where that ratio is extreme (`objective.mismatch`).
-        Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima).
+        Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima). `routing`
+        (T, L, k): the engine's MoE routes of `packed`, replayed by every policy forward here
+        (`moe/*` metrics; docs/learner.md).
 
         Returns the metrics and the hidden states under the pre-update weights of the trees this
         DP rank trained on (its share of every mini-batch), in stream order, on every pipeline
@@ -429,14 +445,17 @@ class Learner:
         where = torch.full((packed.num_tokens,), -1, dtype=torch.long)
         where[rows] = torch.arange(rows.numel())
         hidden = torch.zeros(rows.numel(), self.hidden_size, device=g.device, dtype=self.dtype)
-        plans = [self._prepare(mini, hidden, where, old_logprobs, single_update) for mini in minis]
+        plans = [self._prepare(mini, hidden, where, old_logprobs, single_update, routing) for mini in minis]
         loss_fn = self._loss_fn(unit, on_policy)
         steps = [
             train_step(self.chunks, self.optimizer, self.scheduler, batches, loss_fn, g, output="hidden")
             for _ in range(opt.epochs_per_step)
             for batches in plans
         ]
-        return PolicyUpdate(_step_metrics(steps), self._to_all_stages(hidden), share)
+        metrics = _step_metrics(steps)
+        if self.replays_routes:
+            metrics |= take_metrics([self.policy], self.model_cfg.num_layers, g.device)
+        return PolicyUpdate(metrics, self._to_all_stages(hidden), share)
 
     @torch.no_grad()
     def _prepare(
@@ -446,6 +465,7 @@ class Learner:
         where: torch.Tensor,
         old_logprobs: Optional[torch.Tensor],
         single_update: bool,
+        routing: Optional[torch.Tensor],
     ) -> list[dict]:
         """The micro-batches of one mini-batch, prepared before any update: inputs, the reference's
         log-probs (KL), and unless the update is a single one the no-grad forward under the
@@ -453,7 +473,12 @@ class Learner:
         last pipeline stage, where the loss runs."""
         lc, g = self.cfg.loss, self.groups
         batches = [
-            dict(self._batch(lb.packed), loss=lb, hidden_out=(hidden, where[idx].to(g.device))) for _, lb, idx in mini
+            dict(
+                self._batch(lb.packed, routing=None if routing is None else routing[idx]),
+                loss=lb,
+                hidden_out=(hidden, where[idx].to(g.device)),
+            )
+            for _, lb, idx in mini
         ]
         if self.reference is not None and lc.kl_coef > 0:
             for b, h in zip(batches, forward_only(self.reference, batches)):

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from trace_mega.config import ModelConfig, ParallelConfig
+from trace_mega.learner.routing_replay import replaying
 from trace_mega.ops.attention import TreeCoreAttention
 
 __all__ = [
@@ -206,7 +207,8 @@ class TreeGPTModel(GPTModel):
     `attention.tree_attention_mask`. Returns hidden states `(S, B, H)` on non-last
     pipeline stages and with `return_hidden=True` (gathered over sequence
     parallelism), else vocab-parallel logits `(B, S, V/tp)`, or per-token
-    losses `(B, S)` when `labels` are given.
+    losses `(B, S)` when `labels` are given. `routing` `(B, S, L, k)`: the rollout engine's experts,
+    replayed by a model with `routing_replay.install`ed replays (ignored by one without).
 
     Under sequence parallelism the gradient of the returned hidden states is
     reduce-scattered (summed) over TP: right for a vocab-parallel consumer like
@@ -257,6 +259,7 @@ class TreeGPTModel(GPTModel):
         decoder_input: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         return_hidden: bool = False,
+        routing: Optional[torch.Tensor] = None,
         **unsupported: Any,
     ) -> torch.Tensor:
         if any(v is not None for v in unsupported.values()):
@@ -267,11 +270,12 @@ class TreeGPTModel(GPTModel):
         )
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)  # (S[/tp], B, H)
-        hidden = self.decoder(
-            hidden_states=decoder_input,
-            attention_mask=attention_mask,
-            rotary_pos_emb=self._rotary_at(position_ids),
-        )  # (S[/tp], B, H)
+        with replaying(self, routing, input_ids.shape[1]):
+            hidden = self.decoder(
+                hidden_states=decoder_input,
+                attention_mask=attention_mask,
+                rotary_pos_emb=self._rotary_at(position_ids),
+            )  # (S[/tp], B, H)
         if not self.post_process:
             return hidden
         if return_hidden:

@@ -108,7 +108,13 @@ def build_optimizer(
 def _forward_step(loss_fn: LossFn, output: str, data_iterator, model):
     """megatron `forward_step_func`: run one micro-batch, return (output, loss closure)."""
     batch = next(data_iterator)
-    out = model(batch["input_ids"], batch["position_ids"], batch.get("tree_mask"), return_hidden=output == "hidden")
+    out = model(
+        batch["input_ids"],
+        batch["position_ids"],
+        batch.get("tree_mask"),
+        return_hidden=output == "hidden",
+        routing=batch.get("routing"),
+    )
     return out, partial(_loss_closure, loss_fn, output, batch)
 
 
@@ -158,8 +164,8 @@ def train_step(
 ) -> dict[str, float]:
     """One optimiser step over this DP rank's micro-batches (same count on every DP rank).
 
-    Each batch: `input_ids`, `position_ids` `(B, T)`, optional `tree_mask` `(2, B, T)`,
-    plus whatever `loss_fn` reads. Returns summed `loss_sum`, `num_tokens` and
+    Each batch: `input_ids`, `position_ids` `(B, T)`, optional `tree_mask` `(2, B, T)` and
+    `routing` `(B, T, L, k)` (MoE routes to replay, `routing_replay`), plus whatever `loss_fn` reads. Returns summed `loss_sum`, `num_tokens` and
     loss_fn metrics (over micro-batches and DP), `loss` = loss_sum / num_tokens,
     `grad_norm`, `lr`, `skipped` (1.0 when the NaN/inf guard dropped the update).
     """
@@ -209,7 +215,14 @@ def train_step(
 def _forward_only_step(data_iterator, model):
     """megatron `forward_step_func` without a loss: the last stage's schedule keeps the output."""
     batch = next(data_iterator)
-    return model(batch["input_ids"], batch["position_ids"], batch.get("tree_mask"), return_hidden=True), None
+    out = model(
+        batch["input_ids"],
+        batch["position_ids"],
+        batch.get("tree_mask"),
+        return_hidden=True,
+        routing=batch.get("routing"),
+    )
+    return out, None
 
 
 @torch.no_grad()

@@ -53,6 +53,9 @@ class Node:
     """Local ids of child nodes."""
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata (finish reason, tool latency, …)."""
+    routing: Optional[torch.Tensor] = field(default=None, compare=False)
+    """(len(token_ids), MoE layers, top-k) experts the rollout engine routed each token to (uint8 /
+    int16, `engines/routing.py`); None without capture. Kept in memory only: `save_jsonl` drops it."""
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.loss_mask) == len(self.logprobs)):
@@ -207,7 +210,10 @@ def save_jsonl(trees: Iterable[RolloutTree], path: str | Path) -> None:
     lines = []
     for tree in trees:
         tree.validate()
-        lines.append(json.dumps(tree.to_dict()) + "\n")
+        data = tree.to_dict()
+        for node in data["nodes"]:
+            node.pop("routing")
+        lines.append(json.dumps(data) + "\n")
     with open(path, "w") as f:
         f.writelines(lines)
 

@@ -70,6 +70,9 @@ class Completion:
     finish_reason: Literal["stop", "length"]
     cached_prefix_tokens: int = 0
     """Prefix tokens whose KV came from the cache instead of prefill."""
+    routing: Optional[torch.Tensor] = None
+    """With routing capture: (len(prefix) + len(token_ids) - 1, MoE layers, top-k) experts routed for
+    every token the engine fed (the prompt, then each sampled token but the last; engines/routing.py)."""
 
 
 @dataclass
@@ -103,6 +106,8 @@ class EngineSetup:
     distributed: bool = False
     """Launched by torchrun with more than one rank (an engine that spans ranks, like vLLM's
     `external_launcher`, then starts on every rank of the replica)."""
+    capture_routing: bool = False
+    """Return each request's MoE routes (`Completion.routing`): `model.moe_routing_replay: rollout`."""
 
 
 class Engine(ABC):

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineSetup, SamplingParams
+from trace_mega.rollout.engines.routing import RoutingRecorder
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (key, value) of one sequence, each [kv_heads, seq, head_dim] (post-RoPE, as HF caches them)."""
@@ -59,6 +60,8 @@ class _Entry:
     kv: KV
     eid: int = -1
     """Insertion number (orders batches reproducibly: a memory address would differ per process)."""
+    routes: Optional[torch.Tensor] = None
+    """With routing capture: [L, MoE layers, top-k] experts of the tokens, as first computed."""
 
 
 class _TrieNode:
@@ -122,7 +125,7 @@ class PrefixKVCache:
         self._touch(eid)
         return self._entries[eid], depth
 
-    def insert(self, tokens: Sequence[int], kv: KV) -> None:
+    def insert(self, tokens: Sequence[int], kv: KV, routes: Optional[torch.Tensor] = None) -> None:
         toks = _ints(tokens)
         n = len(toks)
         if n == 0 or n > self.max_tokens:
@@ -145,7 +148,7 @@ class PrefixKVCache:
             node = node.children.setdefault(t, _TrieNode())
             node.eids.add(eid)
         node.end = eid
-        self._entries[eid] = _Entry(np.asarray(toks, dtype=np.int64), kv, eid)
+        self._entries[eid] = _Entry(np.asarray(toks, dtype=np.int64), kv, eid, routes)
         self._touch(eid)
         self.tokens_held += n
         while self.tokens_held > self.max_tokens:
@@ -194,6 +197,8 @@ class _Row:
     """Prefill tokens credited as served from the cache."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """With routing capture: [n, MoE layers, top-k] chunks covering the prefix and the fed tokens."""
 
 
 @ENGINES.register("torch")
@@ -211,6 +216,7 @@ class TorchEngine(Engine):
         max_batch_size: most sequences decoded together.
         eos_token_ids: extra stop tokens; default: the model's generation
             config / config `eos_token_id` (what vLLM also stops on).
+        capture_routing: record every token's MoE experts (`Completion.routing`, engines/routing.py).
     """
 
     def __init__(
@@ -223,6 +229,7 @@ class TorchEngine(Engine):
         cache_max_tokens: int = 1 << 16,
         max_batch_size: int = 32,
         eos_token_ids: Optional[list[int]] = None,
+        capture_routing: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -238,6 +245,7 @@ class TorchEngine(Engine):
         if any(t != "full_attention" for t in (getattr(text_cfg, "layer_types", None) or [])):
             raise ValueError("TorchEngine supports full-attention models only (no sliding-window layers)")
         self.model = net.eval().requires_grad_(False)
+        self.recorder = RoutingRecorder(net) if capture_routing else None
         # transformers >= 5.2x renamed the forward's `past_key_values` to `cache`; the cache object
         # is updated in place either way, so only the keyword differs.
         params = inspect.signature(net.forward).parameters
@@ -269,6 +277,7 @@ class TorchEngine(Engine):
             dtype=getattr(torch, setup.dtype),
             enable_prefix_caching=setup.rollout.enable_prefix_caching,
             eos_token_ids=setup.eos_token_ids,
+            capture_routing=setup.capture_routing,
         )
 
     # ------------------------------------------------------------------ weights
@@ -348,10 +357,11 @@ class TorchEngine(Engine):
             row.logprobs.append(float(lp[j]))
             stop = t in row.sampling.stop_token_ids or t in self._eos
             if stop or len(row.tokens) >= row.sampling.max_new_tokens:
+                routes = RoutingRecorder.joined(row) if self.recorder is not None else None
                 if self.enable_prefix_caching:
                     seq = row.prefix + row.tokens[:-1]  # the last sampled token has no KV yet
-                    self.cache.insert(seq, self._row_kv(self._kv, self._mask, j))
-                comp = Completion(row.tokens, row.logprobs, "stop" if stop else "length", row.counted)
+                    self.cache.insert(seq, self._row_kv(self._kv, self._mask, j), routes)
+                comp = Completion(row.tokens, row.logprobs, "stop" if stop else "length", row.counted, routes)
                 done.append((row.rid, comp))
                 self._ids.discard(row.rid)
             else:
@@ -371,6 +381,8 @@ class TorchEngine(Engine):
             )
             self._logits = out.logits[:, -1].float()
             self._pos = self._pos + 1
+            if self.recorder is not None:
+                self.recorder.assign_decode(self._rows)
         return done
 
     def _admit(self) -> None:
@@ -447,7 +459,8 @@ class TorchEngine(Engine):
             chunk = todo[start : start + self.max_batch_size]
             cache, mask, _ = self._prefill(chunk, need_logits=False)
             for b, r in enumerate(chunk):
-                self.cache.insert(r.prefix, self._row_kv(cache, mask, b))
+                routes = RoutingRecorder.joined(r) if self.recorder is not None else None
+                self.cache.insert(r.prefix, self._row_kv(cache, mask, b), routes)
         return hit_before
 
     def _lookup(self, prefix: list[int]) -> tuple[Optional[_Entry], int]:
@@ -501,6 +514,8 @@ class TorchEngine(Engine):
             **{self._cache_kw: cache},
         )
         logits = out.logits[:, -1].float() if need_logits else None
+        if self.recorder is not None:
+            self.recorder.assign_prefill(rows, S)
         return cache, mask, logits
 
     def _empty_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

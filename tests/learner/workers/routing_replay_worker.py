@@ -1,0 +1,135 @@
+"""torchrun worker: MoE rollout routing replay (R3) in the learner against an HF forward with forced routes.
+
+argv: HF_DIR OUT_JSON TP EP NOISE
+
+The rollout engine (a torch engine on the same checkpoint, its routers perturbed by NOISE x their
+std, so it routes some tokens elsewhere) generates small trees and captures its routes. The
+learner's log-probs with and without replay are compared with a plain HF forward of every path
+whose routers are forced to the engine's experts (weights from the unperturbed router, as the
+learner's replay takes them). Rank 0 writes the differences and the replay metrics as JSON.
+"""
+
+import json
+import sys
+
+import torch
+
+from trace_mega.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from trace_mega.learner.learner import Learner
+from trace_mega.learner.parallel import destroy_parallel
+from trace_mega.objective.advantages import compute_advantages
+from trace_mega.rollout.engines import SamplingParams, TorchEngine
+from trace_mega.rollout.engines.routing import NO_ROUTE, attach_routes, packed_routes, routers_of
+from trace_mega.rollout.tree import Node, RolloutTree, pack
+
+
+def rollout_trees(hf_dir: str, noise: float) -> list[RolloutTree]:
+    """Two trees (two first turns per prompt, one second turn below the first) with engine routes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for r in routers_of(model):
+            r.weight.add_(noise * r.weight.std() * torch.randn(r.weight.shape, generator=g))
+    eng = TorchEngine(model, capture_routing=True, eos_token_ids=[])
+    trees = []
+    for i, prompt in enumerate([[5, 6, 7, 8, 9, 10], [20, 21, 22, 23]]):
+        tree = RolloutTree(f"p{i}", prompt)
+        firsts = []
+        for k in range(2):
+            (c,) = eng.generate([prompt], SamplingParams(1.0, max_new_tokens=6, seed=10 * i + k))
+            nid = tree.add_node(0, Node(0, c.token_ids + [3, 4], [1] * 6 + [0, 0], c.logprobs + [0.0, 0.0]))
+            attach_routes(tree, nid, c.routing)
+            firsts.append((nid, c))
+        for j, (nid, c) in enumerate(firsts):
+            (c2,) = eng.generate([prompt + c.token_ids + [3, 4]], SamplingParams(1.0, max_new_tokens=5, seed=99 + j))
+            leaf = tree.add_path(nid, [Node(0, c2.token_ids, [1] * 5, c2.logprobs)], reward=float(j))
+            attach_routes(tree, leaf, c2.routing)
+        trees.append(tree)
+    return trees
+
+
+def forced_logprobs(hf_dir: str, trees, packed, routes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T,) log-probs of the loss tokens from the unperturbed HF model with its routers forced to
+    `routes` (own top-k where NO_ROUTE), path by path; and (T, L, k) its own routes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    forced: dict[str, torch.Tensor] = {}
+    own_routes: list[torch.Tensor] = []
+
+    def hook(layer):
+        def fn(module, inputs, output):
+            logits, _, own = output
+            own_routes.append(own)
+            want = forced["routes"][:, layer]
+            experts = torch.where(want[:, :1] >= 0, want, own)
+            picked = logits.gather(1, experts)
+            weights = (
+                torch.softmax(picked.float(), -1)
+                if module.norm_topk_prob
+                else torch.softmax(logits, -1).gather(1, experts)
+            )
+            return logits, weights.to(logits.dtype), experts
+
+        return fn
+
+    for layer, r in enumerate(routers_of(model)):
+        r.register_forward_hook(hook(layer))
+    lp = torch.zeros(packed.num_tokens)
+    own = torch.full_like(routes, NO_ROUTE)
+    flat = packed.flatten()
+    for row in range(flat.tokens.shape[0]):
+        n = int(flat.lengths[row])
+        idx = flat.packed_index[row, :n]
+        forced["routes"] = routes[idx]
+        own_routes.clear()
+        with torch.no_grad():
+            logits = model(input_ids=flat.tokens[row, :n][None]).logits[0].float()  # (n, V)
+        own[idx] = torch.stack(own_routes, dim=1)
+        logp = torch.log_softmax(logits[:-1], -1).gather(1, flat.tokens[row, 1:n, None])[:, 0]  # token j+1
+        loss = packed.loss_mask[idx[1:]]
+        lp[idx[1:][loss]] = logp[loss]
+    return lp, own
+
+
+def main() -> None:
+    hf_dir, out_json, tp, ep, noise = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    cfg = TrainConfig(
+        model=ModelConfig(hf_checkpoint=hf_dir, moe_routing_replay="rollout"),
+        parallel=ParallelConfig(device="cpu", tensor_model_parallel_size=tp, expert_model_parallel_size=ep),
+        optim=OptimConfig(lr=1e-3, clip_grad_norm=0.0),
+    )
+    learner = Learner(cfg)
+    trees = rollout_trees(hf_dir, noise)
+    packed = pack(trees)
+    L, k = learner.model_cfg.num_layers, learner.model_cfg.moe_router_topk
+    routes = packed_routes(trees, packed, L, k)
+    replayed = learner.old_logprobs(packed, routing=routes)
+    own = learner.old_logprobs(packed)
+    forced, hf_own = forced_logprobs(hf_dir, trees, packed, routes)
+    mask = packed.loss_mask & (packed.prev_index >= 0)
+    given = routes[..., 0] >= 0  # (T, L)
+    same = (routes.sort(-1).values == hf_own.sort(-1).values).all(-1) & given
+    adv = compute_advantages(packed, trees, cfg.advantage)
+    metrics = learner.train_step(packed, adv, routing=routes).metrics
+    if learner.groups.rank == 0:
+        with open(out_json, "w") as f:
+            json.dump(
+                {
+                    "replay_vs_forced": float((replayed - forced)[mask].abs().max()),
+                    "own_vs_forced": float((own - forced)[mask].abs().max()),
+                    "loss_tokens": int(mask.sum()),
+                    "routed_tokens": int(given[:, 0].sum()),
+                    "unrouted_tokens": int((~given[:, 0]).sum()),
+                    "expected_agreement": float(same.sum() / given.sum()),
+                    "metrics": metrics,
+                },
+                f,
+            )
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

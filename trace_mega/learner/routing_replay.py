@@ -1,0 +1,145 @@
+"""Rollout routing replay (R3) in the Megatron-Core learner (docs/learner.md, "MoE routing replay").
+
+The rollout engine records which experts every token was routed to in every MoE layer
+(trace_mega/rollout/engines/routing.py); here the policy's routers take those experts instead
+of their own top-k, so the log-probs the loss sees are those of the experts the engine sampled
+from. The router's probabilities are still the policy's own scores at the replayed experts
+(gradients flow into the router weights).
+
+megatron-core 0.16 calls `router.router_replay.get_replay_topk(scores, topk, ...)` from its top-k
+routing (`topk_routing_with_score_function`) whenever a router has one. Its own `RouterReplay`
+keeps every instance in one class-level list shared by all models of the process, so the frozen
+reference (which routes on its own) and earlier models would share or consume the policy's
+replay data; `install` instead gives each of the policy's routers its own `RouteReplay`, which
+implements the same hook.
+
+* `install(net)`: per-layer `RouteReplay`s on this pipeline stage's MoE routers (a stage only has
+  its own layers), kept as `net.route_replays` {global layer index: replay}.
+* `replaying(net, routing)`: context for one forward: routing `(B=1, S, L, k)` int64 (the whole
+  model's layers; `NO_ROUTE` rows route on their own: tokens the engine never fed, padding). Each
+  layer gets its slice in the router's token order: the layer sees [S/tp, B] tokens, this TP
+  rank's contiguous sequence block under sequence parallelism, else all S.
+* `RouteReplay` counts, in grad-enabled forwards (the loss's), the token-layer routes replayed and
+  those where the policy's own top-k would have picked the same experts; `take_metrics` reduces
+  them over all ranks: `moe/replay_agreement`, `moe/replayed_tokens`.
+No activation recompute is configured in this trainer, so no replay is needed in the backward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trace_mega.rollout.engines.routing import NO_ROUTE
+
+__all__ = ["RouteReplay", "install", "replaying", "take_metrics", "pad_routes"]
+
+
+class RouteReplay:
+    """One MoE layer's replay, called by megatron-core's top-k routing in place of its top-k."""
+
+    def __init__(self) -> None:
+        self.target: Optional[torch.Tensor] = None
+        """(N, k) int64 experts for the router's N tokens of the current forward, or None (own routing)."""
+        self.agreed = torch.zeros((), dtype=torch.long)
+        """Replayed token routes whose expert set equals the router's own top-k (grad-enabled forwards)."""
+        self.replayed = torch.zeros((), dtype=torch.long)
+        """Token routes replayed (grad-enabled forwards)."""
+
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        default_compute_topk: Optional[Callable] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values (N, k), experts (N, k)): the replayed experts where a route is given, the router's
+        own top-k elsewhere; values are the router's scores at those experts (differentiable)."""
+        own_values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target is None:
+            return own_values, own
+        if self.target.shape != own.shape:
+            raise RuntimeError(
+                f"routing replay: {tuple(self.target.shape)} routes for a router that sees {tuple(own.shape)} "
+                "(the routes are not in the router's token order)"
+            )
+        target = self.target.to(scores.device)
+        given = target[:, :1] >= 0  # (N, 1): the engine routed this token
+        experts = torch.where(given, target, own)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                same = (own.sort(-1).values == experts.sort(-1).values).all(-1) & given[:, 0]
+                self.agreed = self.agreed.to(scores.device) + same.sum()
+                self.replayed = self.replayed.to(scores.device) + given.sum()
+        return scores.gather(1, experts), experts
+
+
+def install(net: torch.nn.Module) -> dict[int, RouteReplay]:
+    """Give every MoE router of `net` (a `TreeGPTModel` stage) its own `RouteReplay`."""
+    if net.config.moe_router_fusion:
+        # The fused top-k kernel never calls the replay hook: replay would silently do nothing.
+        raise ValueError("routing replay needs moe_router_fusion off (the fused router bypasses the replay hook)")
+    replays = {}
+    for layer in net.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            replays[layer.layer_number - 1] = router.router_replay = RouteReplay()
+    net.route_replays = replays
+    return replays
+
+
+def pad_routes(routes: torch.Tensor, length: int) -> torch.Tensor:
+    """(T, L, k) routes padded with `NO_ROUTE` rows to `length` tokens."""
+    return F.pad(routes, (0, 0, 0, 0, 0, length - routes.shape[0]), value=NO_ROUTE)
+
+
+@contextmanager
+def replaying(net: torch.nn.Module, routing: Optional[torch.Tensor], length: int) -> Iterator[None]:
+    """Replay `routing` (B=1, S, L, k) in `net`'s MoE layers for one forward of `length` >= S tokens
+    (the sequence as the decoder sees it: padded for sequence parallelism; pads route on their own).
+    A model without replays installed (the reference) or no routing: nothing changes."""
+    replays: dict[int, RouteReplay] = getattr(net, "route_replays", {})
+    if routing is None or not replays:
+        yield
+        return
+    if routing.shape[0] != 1:
+        raise ValueError("routing replay: packed micro-batches have batch size 1")
+    routes = pad_routes(routing[0], length)  # (S_pad, L, k)
+    if net.config.sequence_parallel:  # each TP rank routes its own contiguous block of the sequence
+        tp = net.pg_collection.tp
+        block = routes.shape[0] // tp.size()
+        routes = routes[tp.rank() * block : (tp.rank() + 1) * block]
+    try:
+        for layer, replay in replays.items():
+            replay.target = routes[:, layer]  # (S_local, k): B=1, so [s, b] flattens to s
+        yield
+    finally:
+        for replay in replays.values():
+            replay.target = None
+
+
+def take_metrics(
+    nets: list[torch.nn.Module], num_layers: int, device: torch.device, group: Optional[dist.ProcessGroup] = None
+) -> dict[str, float]:
+    """`moe/replay_agreement` (share of replayed token-layer routes the policy's own router would
+    have chosen too) and `moe/replayed_tokens` (replayed token routes / the model's `num_layers` MoE
+    layers), over the grad-enabled forwards since the last call, summed over the ranks of `group`
+    (collective; each token-layer route is routed on exactly one rank: TP ranks hold disjoint
+    sequence blocks, PP stages disjoint layers, DP ranks disjoint trees); resets the counts."""
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for net in nets:
+        for replay in getattr(net, "route_replays", {}).values():
+            counts += torch.stack([replay.agreed.to(device), replay.replayed.to(device)]).double()
+            replay.agreed, replay.replayed = torch.zeros_like(replay.agreed), torch.zeros_like(replay.replayed)
+    if dist.is_initialized():
+        dist.all_reduce(counts, group=group)
+    agreed, replayed = counts.tolist()
+    return {
+        "moe/replay_agreement": agreed / replayed if replayed else float("nan"),
+        "moe/replayed_tokens": replayed / num_layers,
+    }

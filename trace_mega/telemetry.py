@@ -184,6 +184,7 @@ LOG_LINE_KEYS = [
     ("predictor/brier", "brier {:.3f}"),
     ("loss/kl_ref", "kl {:.4f}"),
     ("loss/token_entropy", "ent {:.3f}"),
+    ("mismatch/k3", "mismatch {:.1e}"),  # k3 KL(engine || learner): docs/learner.md "Training–inference mismatch"
     ("rollout/generated_tokens", "gen {:.0f}tok"),
     ("rollout/prefill_tokens_saved", "saved {:.0f}tok"),
     ("time/step_s", "{:.1f}s"),

@@ -73,7 +73,7 @@ def mismatch_sums(learner_lp: torch.Tensor, engine_lp: torch.Tensor, packed: Pac
         "mismatch_logprob_abs_max": x.abs().max() if x.numel() else x.sum(),
         "mismatch_kl_sum": -x.sum(),
         "mismatch_k3_sum": ((r - 1.0 - xc) * okf).sum(),
-        "mismatch_chi2_token_sum": (r * r * okf).sum(),
+        "mismatch_chi2_token_sum": (torch.expm1(2.0 * xc) * okf).sum(),  # Σ (r² − 1), see below
         "mismatch_outside_sum": (((x < lo) | (x > hi)) & ok).sum().float(),
     }
     # Paths: (P, S) gathers of each root-to-leaf path's tokens (micro-batches hold whole trees).
@@ -90,14 +90,16 @@ def mismatch_sums(learner_lp: torch.Tensor, engine_lp: torch.Tensor, packed: Pac
     def path_sum(v: torch.Tensor) -> torch.Tensor:
         return torch.where(live, v, 0.0).sum()  # where, not a product: v may be inf on a dead path
 
+    # Sums of quantities near 1 (r², PPL ratios) are kept centred (minus 1): the learner's metric
+    # reduction is fp32, where Σ r² over 1e5 tokens would round a 1e-9 chi2 to 0.
     out.update(
         mismatch_paths_sum=live.sum().float(),
         mismatch_training_ppl_sum=path_sum(torch.exp(-m_l)),
         mismatch_rollout_ppl_sum=path_sum(torch.exp(-m_e)),
         mismatch_log_ppl_diff_sum=path_sum(diff),
         mismatch_log_ppl_abs_diff_sum=path_sum(diff.abs()),
-        mismatch_ppl_ratio_sum=path_sum(torch.exp(diff)),
-        mismatch_chi2_seq_sum=path_sum(torch.exp(2.0 * seq_x)),
+        mismatch_ppl_ratio_sum=path_sum(torch.expm1(diff)),
+        mismatch_chi2_seq_sum=path_sum(torch.expm1(2.0 * seq_x)),
     )
     return out
 
@@ -106,22 +108,21 @@ def mismatch_metrics(total: dict[str, float]) -> dict[str, float]:
     """Pops the ``mismatch_*`` sums from `total` (already summed over micro-batches, ranks and
     optimiser steps) and returns the step's ``mismatch/*`` metrics and ``loss/logprob_mismatch``."""
     s = {k.removeprefix(_PREFIX): total.pop(k) for k in [k for k in total if k.startswith(_PREFIX)]}
-    tokens, paths = s["tokens_sum"], s["paths_sum"]
+    t, p = max(s["tokens_sum"], 1.0), max(s["paths_sum"], 1.0)
     loss_tokens = max(s["loss_tokens_sum"], 1.0)
-    t, p = max(tokens, 1.0), max(paths, 1.0)
     return {
         "loss/logprob_mismatch": s["abs_sum"] / t,
         "mismatch/kl": s["kl_sum"] / t,
         "mismatch/k3": s["k3_sum"] / t,
-        "mismatch/chi2_token": s["chi2_token_sum"] / t - 1.0 if tokens else 0.0,
+        "mismatch/chi2_token": s["chi2_token_sum"] / t,
         "mismatch/ratio_outside_frac": s["outside_sum"] / t,
         "mismatch/logprob_abs_max": s["logprob_abs_max"],
         "mismatch/training_ppl": s["training_ppl_sum"] / p,
         "mismatch/rollout_ppl": s["rollout_ppl_sum"] / p,
         "mismatch/log_ppl_diff": s["log_ppl_diff_sum"] / p,
         "mismatch/log_ppl_abs_diff": s["log_ppl_abs_diff_sum"] / p,
-        "mismatch/ppl_ratio": s["ppl_ratio_sum"] / p,
-        "mismatch/chi2_seq": s["chi2_seq_sum"] / p - 1.0 if paths else 0.0,
+        "mismatch/ppl_ratio": 1.0 + s["ppl_ratio_sum"] / p,
+        "mismatch/chi2_seq": s["chi2_seq_sum"] / p,
         "mismatch/nonfinite_frac": s["nonfinite_sum"] / loss_tokens,
         "mismatch/masked_frac": s["masked_sum"] / loss_tokens,
     }

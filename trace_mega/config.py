@@ -39,7 +39,7 @@ __all__ = [
 @dataclass
 class AllocationConfig:
     name: str = "trace"
-    """Allocator registry name: uniform | pcl | treepo | trace | trace_global."""
+    """Allocator registry name: uniform | pcl | treepo | trace | trace_global | dapo."""
     prompts_per_step: int = 64
     """Candidate prompt pool size B drawn each step."""
     root_rollouts_per_step: int = 256
@@ -70,6 +70,13 @@ class AllocationConfig:
     """trace / trace_global: share of the root budget given, `rollouts_per_prompt_min` each, to prompts drawn at
     random before the root solver spends the rest (an exploration floor: V(1-V) alone starves
     prompts that succeed about once in 8; docs/allocation.md "Rare successes")."""
+    dapo_target_groups: Optional[int] = None
+    """dapo: contrasted groups the step trains on (verl's `data.train_batch_size`); its rounds stop
+    once that many are kept and the last round's surplus is cut. None: trajectories_per_step //
+    group_size, every group the budget can generate (docs/allocation.md "DAPO dynamic sampling")."""
+    dapo_groups_per_round: Optional[int] = None
+    """dapo: prompts drawn per round, `group_size` rollouts each (verl's `data.gen_batch_size`).
+    None: the target, `dapo_target_groups`."""
 
     def validate(self) -> None:
         require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
@@ -85,6 +92,8 @@ class AllocationConfig:
         require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
         require(0.0 <= self.fallback_skill_decay < 1.0, "fallback_skill_decay", "must be in [0, 1)")
         require(0.0 <= self.exploration_fraction <= 1.0, "exploration_fraction", "must be in [0, 1]")
+        for name in ("dapo_target_groups", "dapo_groups_per_round"):
+            require(getattr(self, name) is None or getattr(self, name) >= 1, name, "must be >= 1 (or null)")
 
 
 @dataclass

@@ -146,9 +146,11 @@ class Trainer:
                 batch = StepBatch.from_prompts(step, tasks, self.rollouts.prompt_ids(tasks))
                 batch.v_root = self._predict(batch.packed, batch.root_nodes(), allocator)  # plan roots
                 batch.rollouts = allocator.plan_roots(batch.v_root, gen).cpu()
-                with timer("rollout"):  # roll out
-                    grown = self.rollouts.roll_out(tasks, batch.trees, batch.rollouts.tolist(), seed=2 * step)
-                batch.grow(grown, keep=batch.rollouts.nonzero().flatten().tolist())  # prompts given none leave
+                with timer("rollout"):  # roll out (in rounds where the allocator refills: dapo)
+                    grown, batch.rollouts, keep = self.rollouts.roll_out_rounds(
+                        tasks, batch.trees, batch.rollouts, allocator, seed=2 * step, generator=gen
+                    )
+                batch.grow(grown, keep=keep)  # prompts given none, or dropped by the allocator, leave
                 batch.prefixes = cand = batch.prefix_candidates()
                 batch.v_prefix = self._predict(batch.packed, cand.node, allocator)  # score prefixes
                 batch.continuations = allocator.plan_prefixes(
@@ -176,6 +178,7 @@ class Trainer:
             spent = int(batch.rollouts.sum() + batch.continuations.sum() + batch.root_continuations.sum())
             metrics |= {
                 "alloc/fallback": float(allocator is not self.allocator),
+                "alloc/generated_trajectories": float(spent),  # dapo: its dropped groups' included
                 "alloc/budget_unspent": float(allocator.trajectories_per_step - spent),
                 "alloc/root_continuations": float(batch.root_continuations.sum()),
                 "data/prompt_hash": _hash(tasks),

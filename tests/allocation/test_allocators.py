@@ -28,9 +28,9 @@ def _prefixes_for(m, turns, g):
 
 
 def test_registry_names_and_errors():
-    assert ALLOCATORS.names() == NAMES
+    assert ALLOCATORS.names() == ["dapo", *NAMES]  # dapo's rounds: tests/allocation/test_dapo.py
     with pytest.raises(
-        ConfigError, match=r"^allocation\.name: .* valid names: pcl, trace, trace_global, treepo, uniform"
+        ConfigError, match=r"^allocation\.name: .* valid names: dapo, pcl, trace, trace_global, treepo, uniform"
     ):
         build_allocator(AllocationConfig(name="nope"))
 
@@ -137,6 +137,7 @@ def test_predictor_free_counterparts():
     """What the next step runs when the predictor lost to a constant: the allocator decides."""
     cfg = AllocationConfig(prompts_per_step=8, root_rollouts_per_step=16, rollouts_per_prompt_max=4)
     want = {"trace": "treepo", "trace_global": "treepo", "pcl": "uniform", "treepo": "treepo", "uniform": "uniform"}
+    want["dapo"] = "dapo"
     assert set(want) == set(ALLOCATORS.names())
     for name, counterpart in want.items():
         alloc = build_allocator(AllocationConfig(**{**cfg.__dict__, "name": name}), check=False, max_group_size=12)

@@ -18,6 +18,11 @@ continuations, ties at random), and what no prefix can take becomes extra root r
 rollouts of the prompt, spread evenly over the active prompts, the remainder at random).
 So `m.sum() + K.sum() + extra.sum() == trajectories_per_step` on every step.
 
+`dapo` (trace_mega/allocation/dapo.py) spends it in rounds instead: `plan_refill` plans
+another round of fresh groups once the previous round's rewards are known, and `plan_keep`
+drops the groups without contrast; it generates at most `trajectories_per_step` (less when its
+target batch fills first). Every other allocator has one round and keeps every prompt it served.
+
 The interface is tensor-level, so the trainer and the simulator drive it the same way:
 `plan_roots(v_root (B,), generator) -> m (B,)`,
 `plan_prefixes(v_prefix (P,), r (P,), group (P,), m (B,), generator) -> K (P,)` and
@@ -197,6 +202,20 @@ class Allocator:
     ) -> torch.Tensor:
         """extra (B,) long: fresh rollouts (continuations from the root) for the budget no prefix could take."""
         return torch.zeros_like(m)
+
+    # --- rounds: an allocator that refills (dapo) plans more bare rollouts once it has seen outcomes ---
+    def plan_refill(
+        self, m: torch.Tensor, spread: torch.Tensor, generator: Optional[torch.Generator] = None
+    ) -> torch.Tensor:
+        """(B,) long: the next round's bare rollouts, on candidates given none yet, after the rounds so
+        far gave `m` (B,) and each candidate's bare rewards spread `spread` (B,) float64 (max - min, 0
+        for none); all zero: the step's bare rollouts are over. One round unless the allocator refills."""
+        return torch.zeros_like(m)
+
+    def plan_keep(self, m: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: the candidates whose trees the step keeps after its rounds (default: every one
+        given rollouts)."""
+        return m > 0
 
     def prefix_budgets(self, m: torch.Tensor) -> torch.Tensor:
         """Continuation budget per prompt, b_i ≈ m_i * N, summing to `continuation_budget`."""

@@ -9,7 +9,9 @@ return every tree of the step on every rank, so the trainer's step record and
 its layout are identical on every rank and the allocation decisions are global
 and exact. Episode seeds
 come from (step, prompt index, rollout / branch, turn) (`AgentLoop`), so the
-trees do not depend on the number of replicas. The collector also pauses the
+trees do not depend on the number of replicas. The bare rollouts run in the
+allocator's rounds (`roll_out_rounds`: one round, except where `dapo` refills
+with fresh prompts once it has seen the rewards). The collector also pauses the
 engine while the learner trains and reports the step's agent-loop counters:
 totals over replicas plus per-replica spread.
 """
@@ -22,6 +24,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import torch
+
+from trace_mega.allocation import Allocator
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, Task
 from trace_mega.rollout.agent_loop import AgentLoop, RolloutStats
@@ -68,6 +73,8 @@ class RolloutCollector:
         )
         self.tree_replica: list[int] = []
         """Replica that owns each of the step's trees (after `roll_out`)."""
+        self.prompt_replica: list[int] = []
+        """Replica that rolled out each tree of the last `roll_out` call (-1: none)."""
         self._mine: dict[int, RolloutTree] = {}
         self._replica_stats: list[dict[str, float]] = []
 
@@ -98,10 +105,42 @@ class RolloutCollector:
             return dict(zip(ids, grown))
 
         out = self._phase(trees, run)
-        keep = [i for i, m in enumerate(counts) if m > 0]
-        self.tree_replica = [owner[i] for i in keep]
-        self._mine = {t: out[i] for t, i in enumerate(keep) if owner[i] == self.layout.replica}
+        self.prompt_replica = owner
+        self._hold(out, owner, [i for i, m in enumerate(counts) if m > 0])
         return out
+
+    def roll_out_rounds(
+        self,
+        tasks: Sequence[Task],
+        trees: list[RolloutTree],
+        m: torch.Tensor,
+        allocator: Allocator,
+        seed: int,
+        generator: Optional[torch.Generator] = None,
+    ) -> tuple[list[RolloutTree], torch.Tensor, list[int]]:
+        """The step's bare rollouts in the allocator's rounds: `m` (B,) on the root-only `trees` (one
+        `roll_out`), then, while `allocator.plan_refill` plans more from the rewards so far, the next
+        round on the candidates it names. Returns the trees (one per candidate), the rollouts each
+        candidate got over all rounds (B,) and the candidates whose trees stay (`allocator.plan_keep`,
+        the `keep` of `StepBatch.grow`). Every allocator but `dapo` has one round and keeps every
+        candidate it served. The plans read only the exchanged trees and the step's generator, and
+        episodes are seeded by candidate index (`roll_out`), so the rounds and their trees are the
+        same on every rank and for any replica count."""
+        owner, total, counts = [-1] * len(trees), torch.zeros_like(m), m
+        while int(counts.sum()) > 0:
+            trees = self.roll_out(tasks, trees, counts.tolist(), seed=seed)
+            owner = [r if c > 0 else o for o, r, c in zip(owner, self.prompt_replica, counts.tolist())]
+            total = total + counts
+            counts = allocator.plan_refill(total, reward_spread(trees), generator)
+        keep = torch.nonzero(allocator.plan_keep(total, reward_spread(trees))).flatten().tolist()
+        self._hold(trees, owner, keep)
+        return trees, total, keep
+
+    def _hold(self, trees: list[RolloutTree], owner: Sequence[int], keep: Sequence[int]) -> None:
+        """Which replica holds each tree that stays (`keep`, renumbered in order as `expand` numbers
+        them), and this replica's own tree objects (they carry the states continuations branch from)."""
+        self.tree_replica = [owner[i] for i in keep]
+        self._mine = {t: trees[i] for t, i in enumerate(keep) if owner[i] == self.layout.replica}
 
     def expand(self, trees: list[RolloutTree], points: Sequence[tuple[int, int, int]], seed: int) -> list[RolloutTree]:
         """`trees` (the kept trees of `roll_out`, in its order) with the continuations `points` (tree,
@@ -193,3 +232,9 @@ class RolloutCollector:
             self.agent.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def reward_spread(trees: Sequence[RolloutTree]) -> torch.Tensor:
+    """(len(trees),) float64: max - min of each tree's leaf rewards (0 for a tree without leaves)."""
+    rewards = [t.leaf_rewards() for t in trees]
+    return torch.tensor([max(r) - min(r) if r else 0.0 for r in rewards], dtype=torch.float64)

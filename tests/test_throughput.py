@@ -40,3 +40,9 @@ def test_response_lengths_and_throughput_keys():
     assert out["perf/generated_tokens_per_s"] == 6 / 2.0 and out["perf/generated_tokens_per_s_per_gpu"] == 6 / 8.0
     assert out["perf/trained_tokens_per_s"] == packed.tokens.numel() / 2.0
     assert out["rollout/response_length_max"] == 4.0 and "perf/mfu" not in out  # no peak on CPU
+    # CPU: the process's peak resident set, at least what a 64 MiB tensor held now adds.
+    held = torch.ones(1 << 24)
+    rss = throughput_metrics(
+        packed, 2.0, ModelConfig(vocab_size=40), world_size=4, replicas=2, epochs=1, device=torch.device("cpu")
+    )["perf/peak_memory_gib"]
+    assert rss >= held.numel() * 4 / 2**30 and rss >= out["perf/peak_memory_gib"] > 0

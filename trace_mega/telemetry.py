@@ -166,6 +166,7 @@ def throughput_metrics(
         "perf/trained_tokens_per_s_per_gpu": trained / step_s / world_size,
         "rollout/response_length_mean": float(lengths.mean()) if lengths.numel() else 0.0,
         "rollout/response_length_max": float(lengths.max()) if lengths.numel() else 0.0,
+        "perf/peak_memory_gib": peak_memory_gib(device),
     }
     peak = peak_flops(device)
     if peak is not None:
@@ -174,6 +175,16 @@ def throughput_metrics(
         flops += forward_flops(model, float(generated.sum()), float(keys[generated].sum()))
         out["perf/mfu"] = flops / (step_s * world_size * peak)
     return out
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory so far, GiB: on a GPU the caching allocator's peak of allocated
+    tensors (what a config's plan must fit), on CPU the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 # The keys shown on the one-line-per-step log, in order, with their format.

@@ -45,6 +45,7 @@ from trace_mega.objective.losses import LOSSES
 from trace_mega.predictor import Calibration, SkillGuard, build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
 from trace_mega.rollout.engines import ENGINES, EngineSetup, build_engine
+from trace_mega.rollout.engines.routing import packed_routes
 from trace_mega.rollout.replicas import ReplicaLayout
 from trace_mega.rollout.tree import PackedTrees
 from trace_mega.sampler import PromptSampler, SamplerState
@@ -87,6 +88,7 @@ class Trainer:
                 host=layout.leader,
                 replica_size=g.world_size // layout.num_replicas,
                 distributed=g.world_size > 1,
+                capture_routing=self.learner.replays_routes,
             )
         )
         self.rollouts = RolloutCollector(
@@ -166,7 +168,7 @@ class Trainer:
                     batch.node_ell = self._probe(batch)
                     probe_bad = self._credit(batch)
                 with timer("train"), self.rollouts.paused():  # learn
-                    batch.update = self.learner.train_step(batch.packed, batch.advantages)
+                    batch.update = self.learner.train_step(batch.packed, batch.advantages, routing=self._routes(batch))
                 with timer("predictor"):  # fit predictor
                     fit = self.predictor.fit_step(batch.packed, batch.update.hidden, batch.update.trees, self.dp_group)
                 with timer("weight_sync"):  # sync
@@ -201,6 +203,14 @@ class Trainer:
         return None
 
     # --- components' glue -------------------------------------------------------------
+    def _routes(self, batch: StepBatch) -> Optional[torch.Tensor]:
+        """(T, L, k) the rollout engine's MoE routes of the step's layout, for the learner to replay
+        (None unless `model.moe_routing_replay: rollout` on an MoE policy)."""
+        if not self.learner.replays_routes:
+            return None
+        m = self.learner.model_cfg
+        return packed_routes(batch.trees, batch.packed, m.num_layers, m.moe_router_topk)
+
     def _throughput(self, packed: PackedTrees, step_s: float) -> dict[str, float]:
         g = self.learner.groups
         return throughput_metrics(

@@ -8,9 +8,15 @@ here). The metrics count the replayed routes and the share the learner's router 
 Each run is a torchrun/gloo job (megatron's global state stays out of the test process).
 """
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
-from workers.common import read_json, torchrun
+from workers.common import ROOT, read_json, torchrun
+
+from trace_mega.kernels._triton_env import env_without_interpreter
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +81,30 @@ def test_replay_under_tensor_sequence_expert_and_pipeline_parallelism(hf_dir, tm
     """TP=2 (sequence parallel: each rank replays its block of the sequence), EP=2 (DP=2: each rank
     its trees in training), PP=2 (each stage its own layer)."""
     _check_replay(_run(hf_dir, tmp_path, tp, ep, pp, noise=1.0))
+
+
+@pytest.mark.slow
+def test_trainer_replays_the_torch_engines_routes(tmp_path):
+    """A `trace-mega train` run of an MoE policy: the torch engine captures, the agent loop stores the
+    routes on the trees, the learner replays them every step (same weights: its router agrees)."""
+    overrides = [
+        "allocation.prompts_per_step=8",
+        "allocation.root_rollouts_per_step=12",
+        "rollout.max_turns=4",
+        "telemetry.tensorboard=false",
+        "telemetry.progress_bars=false",
+        "steps=2",
+        "model.num_experts=8",
+        "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=32",
+        f"telemetry.out_dir={tmp_path}",
+    ]
+    cmd = [sys.executable, "-m", "trace_mega", "train", "--config", str(ROOT / "configs" / "demo_cpu.yaml"), *overrides]
+    env = env_without_interpreter() | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["moe/replayed_tokens"] > 100
+        assert row["moe/replay_agreement"] > 0.99

@@ -122,3 +122,47 @@ def test_routes_are_stored_once_per_node_and_laid_out_by_the_packed_stream(tmp_p
     save_jsonl([tree], tmp_path / "t.jsonl")
     (back,) = load_jsonl(tmp_path / "t.jsonl")
     assert all(n.routing is None for n in back.nodes) and back.nodes[1].token_ids == tree.nodes[1].token_ids
+
+
+def test_agent_loop_trees_hold_each_tokens_engine_routes():
+    """Rollouts and continuations through the agent loop: every routed token of a path holds the
+    experts a plain forward of the path picks; only the path's tail (never fed back) is unrouted."""
+    from trace_mega.config import RolloutConfig
+    from trace_mega.envs.synthetic import SyntheticToolsEnv
+    from trace_mega.rollout.agent_loop import AgentLoop
+
+    env = SyntheticToolsEnv(seed=0)
+    tok = env.tokenizer
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        max_position_embeddings=256,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    rc = RolloutConfig(max_turns=4, max_new_tokens_per_turn=4, max_total_tokens=80)
+    loop = AgentLoop(env, TorchEngine(model, capture_routing=True), tok, rc)
+    trees = loop.rollout(env.tasks()[:2], [2, 2], seed=0)
+    picks = [(i, n, 2) for i, t in enumerate(trees) for n in range(1, len(t.nodes)) if t.nodes[n].reward is None]
+    loop.expand(trees, picks[:2], seed=1)
+    packed = pack(trees)
+    routes = packed_routes(trees, packed, LAYERS, TOPK)
+    for g in packed.leaf_nodes.tolist():
+        idx = packed.path_token_indices(g)
+        routed = (routes[idx] != NO_ROUTE).all(-1).all(-1)
+        n = int(routed.sum())
+        # A routed prefix, then the unfed tail: inside the path's last turn (its last generated
+        # token and what followed it, never fed back to the engine).
+        size = lambda x: int(packed.node_end[x] - packed.node_start[x])  # noqa: E731
+        last = size(g) or size(int(packed.node_parent[g]))  # an empty leaf: the turn before it
+        assert routed[:n].all() and len(idx) - last <= n < len(idx)
+        assert same_experts(routes[idx[:n]], hf_routes(model, packed.tokens[idx[:n]].tolist()))

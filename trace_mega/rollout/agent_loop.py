@@ -72,9 +72,12 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 
+import torch
+
 from trace_mega.config import RolloutConfig
 from trace_mega.envs.base import Env, EpisodeState, ParsedTurn, Task
 from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
+from trace_mega.rollout.engines.routing import attach_routes, extend_routes
 from trace_mega.rollout.react import ReactScaffold, error_observation, turn_node
 from trace_mega.rollout.tools import ToolJob, ToolRunner
 from trace_mega.rollout.tree import Node, RolloutTree, json_safe
@@ -135,6 +138,8 @@ class _Episode:
     nodes: list[tuple[int, Node, Optional[EpisodeState]]] = field(default_factory=list)
     """The episode's turn nodes in order, each with its numbering phase and (non-terminal nodes) the
     state after it; added to the tree when the call ends (`_commit`)."""
+    routes: Optional[torch.Tensor] = None
+    """With MoE routing capture: (n, L, k) engine routes of the path's first n tokens (`extend_routes`)."""
 
     @property
     def owns_tip(self) -> bool:
@@ -456,6 +461,7 @@ class AgentLoop:
             raise RuntimeError(f"engine completion has {len(comp.token_ids)} tokens but {len(comp.logprobs)} log-probs")
         gen, lp = [int(t) for t in comp.token_ids[:cap]], [float(x) for x in comp.logprobs[:cap]]
         cut = comp.finish_reason == "length" or len(comp.token_ids) > cap
+        ep.routes = extend_routes(ep.routes, comp.routing, len(ep.prefix) + len(gen))
         stats.turns += 1
         stats.generated_tokens += len(gen)
         stats.prefix_tokens += len(ep.prefix)
@@ -585,6 +591,9 @@ class AgentLoop:
             tips[ordinal] = tree.add_node(tips[ordinal], node)
             if state is not None:
                 tree.runtime["states"][tips[ordinal]] = state
+        for ep in episodes:
+            if ep.routes is not None:
+                attach_routes(trees[ep.tree_idx], tips[ep.ordinal], ep.routes)
 
 
 # Numbering phases of a turn's node (`_commit`): an empty leaf for an episode that starts over the

@@ -12,10 +12,10 @@ log-probs it trains on come from the experts the engine sampled from.
   row). Routes are stored compactly (`route_dtype`: uint8 up to 255 experts, else int16).
 * `NO_ROUTE`: the value of a token the engine never routed (e.g. a trajectory's last token,
   never fed back to the model); the learner routes such tokens itself.
-* `node_routes` / `attach_routes`: a completion's routes (the whole request: prompt and generated
-  tokens but the last) are split over the tree nodes of that path, each token's routes stored
-  once, on the node that holds it; `packed_routes(trees, packed)` lays them out in the packed
-  stream order: (T, L, k).
+* `extend_routes` / `attach_routes`: the agent loop keeps each episode's path routes (every
+  request's routes cover its prompt and its generated tokens but the last), then splits them over
+  the tree nodes of that path, each token's routes stored once, on the node that holds it;
+  `packed_routes(trees, packed, ...)` lays them out in the packed stream order: (T, L, k).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = [
     "route_dtype",
     "RoutingRecorder",
     "routers_of",
+    "extend_routes",
     "attach_routes",
     "packed_routes",
 ]
@@ -115,6 +116,16 @@ class RoutingRecorder:
     def joined(row: Any) -> torch.Tensor:
         """(len, L, k) every routed token of `row` so far, in order."""
         return torch.cat(row.routes) if len(row.routes) > 1 else row.routes[0]
+
+
+def extend_routes(old: Optional[torch.Tensor], new: Optional[torch.Tensor], kept: int) -> Optional[torch.Tensor]:
+    """An episode's path routes after its next request: `old` (the earlier requests' rows, kept as
+    first computed) followed by `new`'s later rows, cut at the `kept` tokens of the path the
+    request leaves (its prompt and the generated tokens the agent loop kept)."""
+    if new is None:
+        return old
+    new = new[:kept]
+    return new if old is None else torch.cat([old, new[old.shape[0] :]])
 
 
 def attach_routes(tree: Any, leaf: int, routes: torch.Tensor) -> None:

@@ -9,7 +9,9 @@ draw seeded per call (`env.options.tool_latency_ms` / `tool_latency_sigma`):
 instant, fixed 50 ms, lognormal median 50 ms sigma 1, lognormal median 200 ms
 sigma 1.
 
-Per latency model: wall seconds (median of `--reps`), the per-episode bound —
+Per latency model: wall seconds (median of `--reps`), the process's CPU seconds (min of
+`--reps`: the loop's and the engine's own work, which the load of other jobs on the machine
+moves far less than the wall), the per-episode bound —
 the instant wall plus the slowest episode's own summed tool time, what a
 scheduler in which each episode waits only for its own tool calls would add —
 wall / bound, the engine's busy fraction (share of the phase with a request
@@ -75,19 +77,21 @@ def measure(args, latency_ms: float, sigma: float) -> dict:
     # draw near it times out or not with the machine's load): the table compares scheduling alone.
     loop = AgentLoop(env, engine, tok, rc, tool_timeout_s=60.0)
     tasks = (env.tasks() * (args.prompts // len(env.tasks()) + 1))[: args.prompts]
-    times, trees = [], []
+    times, cpu, trees = [], [], []
     for rep in range(args.reps + 1):  # the first is a warm-up
         engine.cache.clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trees = loop.rollout(tasks, [args.rollouts] * len(tasks), seed=1)
         if rep:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     st = loop.last_stats
     busy = getattr(st, "engine_busy_s", None)
     loop.close()
     row = {
         "wall_s": statistics.median(times),
         "times": times,
+        "cpu_s": min(cpu),
         "slowest_episode_tool_s": _slowest_episode_tool_s(trees),
         "tool_calls": st.tool_calls,
         "tool_timeouts": st.tool_timeouts,
@@ -126,6 +130,7 @@ def main(argv=None) -> dict:
             ("slowest_episode_tool_s", "slowest episode tools s", ".2f"),
             ("bound_s", "per-episode bound s", ".2f"),
             ("wall_over_bound", "wall / bound", ".2f"),
+            ("cpu_s", "host CPU s (min)", ".2f"),
             ("engine_busy_frac", "engine busy", ".2f"),
             ("tool_calls", "tool calls", "d"),
             ("tool_timeouts", "timeouts", "d"),

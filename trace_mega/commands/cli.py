@@ -1,4 +1,4 @@
-"""`trace-mega demo | demo credit | pretrain | train | eval | export | plan | bench`.
+"""`trace-mega demo | demo credit | pretrain | train | eval | export | plan | bench | sweep`.
 
 * `demo`  — the embedded default: a tiny GPT policy on a learnable synthetic
   environment, on CPU, `uniform` GRPO vs `treepo` vs `trace` at equal rollout budget, with
@@ -14,6 +14,8 @@
   current (or a checkpointed) policy, as a Markdown table and JSON.
 * `export --run DIR [--step N] --out HF_DIR` — a checkpointed run as an HF checkpoint.
 * `bench NAME [args]` — runs the shipped `bench_NAME.py`.
+* `sweep --config NAME|FILE [--steps N] KEY=V1,V2 ...` — one short run per grid point
+  (`nproc=1,2`: processes per point, under torchrun), one table and plot.
 * `plan --config NAME|FILE` — per-GPU memory of the config on its cluster;
   exits 1 naming the field when it cannot fit.
 
@@ -140,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "pretrain", help="the cached warm start for synthetic_search / synthetic_tools (trace-mega pretrain --help)"
     )
+    sub.add_parser(
+        "sweep", help="short runs over a grid of config values, one table and plot (trace-mega sweep --help)"
+    )
     return parser
 
 
@@ -232,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         return _credit_demo(argv[2:])
     if argv and argv[0] == "pretrain":
         return _pretrain(argv[1:])
+    if argv and argv[0] == "sweep":
+        from trace_mega.commands.sweep import main as sweep
+
+        return sweep(argv[1:])
     args = _parser().parse_args(argv)
 
     from trace_mega.logs import log_to_file, setup_logging

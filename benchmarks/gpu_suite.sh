@@ -103,6 +103,7 @@ if [ $DRY -eq 1 ]; then
     n=$(basename "$b" .py)
     run_step "${n}_help" 60 "${n}_help.log" "$PY" "$b" --help
   done
+  run_step sweep_help 60 "sweep_help.log" "$PY" -m trace_mega sweep --help
 else
   run_step pytest_gpu "$PYTEST_LIMIT" "pytest_gpu.xml" \
     "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT_DIR/pytest_gpu.xml" "$ROOT/tests"
@@ -115,6 +116,10 @@ else
     run_step "$n" "$lim" "$n.json" "$PY" "$b" --json "$OUT_DIR/$n.json"
     n_left=$(( n_left - 1 ))
   done
+  # The sweep command on the GPU: the demo's tiny model on the device against its CPU run
+  # (step time by phase, tokens/s per GPU, peak memory, mismatch): docs/learner.md "Scaling sweeps".
+  run_step sweep_demo "$BENCH_LIMIT" "sweep/sweep.json" "$PY" -m trace_mega sweep --config demo_cpu --steps 3 \
+    --out "$OUT_DIR/sweep" parallel.device=cpu,cuda allocation.prompts_per_step=8 telemetry.progress_bars=false
 fi
 
 "$PY" - "$STEPS" "$OUT_DIR/summary.json" "$DRY" "$(( $(date +%s) - START ))" <<'EOF'

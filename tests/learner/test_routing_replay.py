@@ -59,6 +59,7 @@ def _check_replay(res: dict) -> None:
     assert res["replay_vs_forced"] < 1e-4
     # ... without it, the perturbed routes change the log-probs: replay is not a no-op.
     assert res["own_vs_forced"] > 1e-2
+    assert res["reference_routes_on_its_own"]
     m = res["metrics"]
     assert m["moe/replayed_tokens"] == res["routed_tokens"]
     assert 0.3 < m["moe/replay_agreement"] < 0.99
@@ -108,3 +109,28 @@ def test_trainer_replays_the_torch_engines_routes(tmp_path):
     for row in rows:
         assert row["moe/replayed_tokens"] > 100
         assert row["moe/replay_agreement"] > 0.99
+
+
+def test_plan_counts_the_replay_buffers():
+    """`trace-mega plan`: tokens / TP (sequence parallel) x local layers x top-k int64 per GPU, in the
+    training peak; nothing for `moe_routing_replay: none` or a dense model."""
+    from trace_mega.commands.plan import format_plan, plan_memory
+    from trace_mega.config import TrainConfig, load_yaml
+
+    moe = [
+        "model.num_experts=8",
+        "model.moe_router_topk=2",
+        "model.num_layers=4",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.micro_batch_tokens=1024",
+        "cluster.gpus_per_node=4",
+    ]
+    demo = ROOT / "configs" / "demo_cpu.yaml"
+    on = plan_memory(load_yaml(TrainConfig, demo, moe))
+    off = plan_memory(load_yaml(TrainConfig, demo, [*moe, "model.moe_routing_replay=none"]))
+    assert on.routing_replay == 1024 / 2 * (4 // 2) * 2 * 8
+    assert off.routing_replay == 0.0
+    assert on.peaks(engine_sleeps=True)["train"] - off.peaks(engine_sleeps=True)["train"] == on.routing_replay
+    assert plan_memory(load_yaml(TrainConfig, demo, [])).routing_replay == 0.0
+    assert "MoE routing replay" in format_plan(load_yaml(TrainConfig, demo, moe), on)

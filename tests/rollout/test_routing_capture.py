@@ -109,7 +109,7 @@ def test_routes_are_stored_once_per_node_and_laid_out_by_the_packed_stream(tmp_p
         leaves.append((leaf, c2))
     packed = pack([tree])
     routes = packed_routes([tree], packed, LAYERS, TOPK)
-    assert routes.shape == (packed.num_tokens, LAYERS, TOPK) and routes.dtype == torch.long
+    assert routes.shape == (packed.num_tokens, LAYERS, TOPK) and routes.dtype == torch.int16
     for leaf, c2 in leaves:
         idx = packed.path_token_indices(packed.node_local.index((0, leaf)))
         path = prompt + c1.token_ids + [70, 71] + c2.token_ids

@@ -17,7 +17,9 @@ way the learner shards them (docs/learner.md):
   per layer, without recomputation, the attention scores never materialised
   (tree / flash attention), times the micro-batches a 1F1B pipeline keeps in
   flight on stage 0 (PP of them); the vocab-parallel logits and their fp32
-  gradient;
+  gradient; with MoE routing replay (`model.moe_routing_replay: rollout`) the replayed experts of
+  one micro-batch, int64 per token, local layer and top-k slot (the step's routes wait in host
+  memory as int16);
 * engine (one vLLM replica per `rollout.tensor_parallel_size` GPUs): the full
   weights split over the replica, and `rollout.gpu_memory_utilization` of the
   GPU for weights + working memory + KV cache (what vLLM reserves);
@@ -133,6 +135,8 @@ class MemoryPlan:
     reserve: float
     gpu_memory: float
     errors: list[str]
+    routing_replay: float = 0.0
+    """MoE routing replay: one micro-batch's replayed experts on the device."""
 
     @property
     def learner_resident(self) -> float:
@@ -140,7 +144,7 @@ class MemoryPlan:
 
     def peaks(self, engine_sleeps: bool) -> dict[str, float]:
         rollout = self.learner_resident + self.engine_reserved + self.reserve
-        train = self.learner_resident + self.activations + self.logits + self.reserve
+        train = self.learner_resident + self.activations + self.logits + self.routing_replay + self.reserve
         if not engine_sleeps:
             train += self.engine_reserved
         return {"rollout": rollout, "train": train}
@@ -208,6 +212,9 @@ def plan_memory(cfg: TrainConfig, model: Optional[ModelConfig] = None) -> Memory
     tokens = par.micro_batch_tokens
     activations = tokens * per_token_layer * layers * pp
     logits = tokens * (vocab_pad // tp) * (wb + 4)
+    # R3: a forward's replay targets, (tokens[/tp under SP], local layers, top-k) int64.
+    replays = bool(m.num_experts) and cfg.model.moe_routing_replay == "rollout"
+    routing = tokens / tp * layers * m.moe_router_topk * 8 if replays else 0.0
 
     gpu = cl.gpu_memory_gib * GIB
     engine_weights = c.total * wb / rtp
@@ -233,6 +240,7 @@ def plan_memory(cfg: TrainConfig, model: Optional[ModelConfig] = None) -> Memory
         reserve=cl.reserve_gib * GIB,
         gpu_memory=gpu,
         errors=errors,
+        routing_replay=routing,
     )
     g = lambda x: f"{x / GIB:.1f} GiB"  # noqa: E731
     if engine_kv < ro.max_total_tokens * kv_per_token:
@@ -269,6 +277,7 @@ def format_plan(cfg: TrainConfig, plan: MemoryPlan) -> str:
         ("optimizer state", plan.optimizer_state),
         ("activations (one micro-batch)", plan.activations),
         ("logits + grad", plan.logits),
+        ("MoE routing replay (one micro-batch)", plan.routing_replay),
         ("engine weights", plan.engine_weights),
         ("engine KV cache", max(plan.engine_kv, 0.0)),
         ("engine reservation (util x GPU)", plan.engine_reserved),

@@ -239,11 +239,11 @@ class Learner:
 
     def _batch(self, packed: PackedTrees, trees: slice = slice(None), routing: Optional[torch.Tensor] = None) -> dict:
         """Model inputs of `_inputs`, and the (1, T, L, k) rows of `routing` (the layout's (T, L, k)
-        engine routes) of those trees."""
+        engine routes, kept on the host: the model moves one forward's layers to the device)."""
         ids, pos, mask = self._inputs(packed, trees)
         out = {"input_ids": ids, "position_ids": pos, "tree_mask": mask}
         if routing is not None:
-            out["routing"] = routing[packed.tree_tokens(range(packed.num_trees)[trees])][None].to(ids.device)
+            out["routing"] = routing[packed.tree_tokens(range(packed.num_trees)[trees])][None]
         return out
 
     def _to_all_stages(self, t: torch.Tensor) -> torch.Tensor:

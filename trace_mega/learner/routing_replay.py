@@ -15,8 +15,8 @@ implements the same hook.
 
 * `install(net)`: per-layer `RouteReplay`s on this pipeline stage's MoE routers (a stage only has
   its own layers), kept as `net.route_replays` {global layer index: replay}.
-* `replaying(net, routing)`: context for one forward: routing `(B=1, S, L, k)` int64 (the whole
-  model's layers; `NO_ROUTE` rows route on their own: tokens the engine never fed, padding). Each
+* `replaying(net, routing, length)`: context for one forward: routing `(B=1, S, L, k)` int16 on
+  the host (the whole model's layers; `NO_ROUTE` rows route on their own: tokens the engine never fed, padding). Each
   layer gets its slice in the router's token order: the layer sees [S/tp, B] tokens, this TP
   rank's contiguous sequence block under sequence parallelism, else all S.
 * `RouteReplay` counts, in grad-enabled forwards (the loss's), the token-layer routes replayed and
@@ -68,7 +68,7 @@ class RouteReplay:
                 f"routing replay: {tuple(self.target.shape)} routes for a router that sees {tuple(own.shape)} "
                 "(the routes are not in the router's token order)"
             )
-        target = self.target.to(scores.device)
+        target = self.target
         given = target[:, :1] >= 0  # (N, 1): the engine routed this token
         experts = torch.where(given, target, own)
         if torch.is_grad_enabled():
@@ -109,14 +109,15 @@ def replaying(net: torch.nn.Module, routing: Optional[torch.Tensor], length: int
         return
     if routing.shape[0] != 1:
         raise ValueError("routing replay: packed micro-batches have batch size 1")
-    routes = pad_routes(routing[0], length)  # (S_pad, L, k)
+    routes = pad_routes(routing[0], length)  # (S_pad, L, k), int16 on the host
     if net.config.sequence_parallel:  # each TP rank routes its own contiguous block of the sequence
         tp = net.pg_collection.tp
         block = routes.shape[0] // tp.size()
         routes = routes[tp.rank() * block : (tp.rank() + 1) * block]
     try:
-        for layer, replay in replays.items():
-            replay.target = routes[:, layer]  # (S_local, k): B=1, so [s, b] flattens to s
+        device = next(net.parameters()).device
+        for layer, replay in replays.items():  # (S_local, k) int64 (gather's index): B=1, [s, b] flattens to s
+            replay.target = routes[:, layer].to(device, torch.long)
         yield
     finally:
         for replay in replays.values():

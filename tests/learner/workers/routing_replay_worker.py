@@ -15,8 +15,9 @@ import sys
 
 import torch
 
-from trace_mega.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from trace_mega.config import LossConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trace_mega.learner.learner import Learner
+from trace_mega.learner.optim import forward_only
 from trace_mega.learner.parallel import destroy_parallel
 from trace_mega.objective.advantages import compute_advantages
 from trace_mega.rollout.engines import SamplingParams, TorchEngine
@@ -64,7 +65,7 @@ def forced_logprobs(hf_dir: str, trees, packed, routes: torch.Tensor) -> tuple[t
         def fn(module, inputs, output):
             logits, _, own = output
             own_routes.append(own)
-            want = forced["routes"][:, layer]
+            want = forced["routes"][:, layer].long()
             experts = torch.where(want[:, :1] >= 0, want, own)
             picked = logits.gather(1, experts)
             weights = (
@@ -79,7 +80,7 @@ def forced_logprobs(hf_dir: str, trees, packed, routes: torch.Tensor) -> tuple[t
     for layer, r in enumerate(routers_of(model)):
         r.register_forward_hook(hook(layer))
     lp = torch.zeros(packed.num_tokens)
-    own = torch.full_like(routes, NO_ROUTE)
+    own = torch.full(routes.shape, NO_ROUTE, dtype=torch.long)
     flat = packed.flatten()
     for row in range(flat.tokens.shape[0]):
         n = int(flat.lengths[row])
@@ -104,6 +105,7 @@ def main() -> None:
             device="cpu", tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp
         ),
         optim=OptimConfig(lr=1e-3, clip_grad_norm=0.0),
+        loss=LossConfig(kl_coef=0.01),  # builds the frozen reference, which must route on its own
     )
     learner = Learner(cfg)
     trees = rollout_trees(hf_dir, noise)
@@ -112,6 +114,11 @@ def main() -> None:
     routes = packed_routes(trees, packed, L, k)
     replayed = learner.old_logprobs(packed, routing=routes)
     own = learner.old_logprobs(packed)
+    # The reference ignores the routes it is handed (no replays installed on it) and, at the
+    # initial weights, equals the policy routing on its own.
+    ref_in = [learner._batch(packed, routing=routes), learner._batch(packed)]
+    ref = [h[0, : packed.num_tokens] for h in forward_only(learner.reference, ref_in)]
+    policy_hidden = learner.hidden_states(packed)
     forced, hf_own = forced_logprobs(hf_dir, trees, packed, routes)
     mask = packed.loss_mask & (packed.prev_index >= 0)
     given = routes[..., 0] >= 0  # (T, L)
@@ -125,6 +132,8 @@ def main() -> None:
                 {
                     "replay_vs_forced": float((replayed - forced)[mask].abs().max()),
                     "own_vs_forced": float((own - forced)[mask].abs().max()),
+                    "reference_routes_on_its_own": bool(torch.equal(ref[0], ref[1]))
+                    and float((ref[1] - policy_hidden).abs().max()) < 1e-5,
                     "loss_tokens": int(mask.sum()),
                     "routed_tokens": int(given[:, 0].sum()),
                     "unrouted_tokens": int((~given[:, 0]).sum()),

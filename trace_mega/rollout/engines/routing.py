@@ -151,12 +151,13 @@ def attach_routes(tree: Any, leaf: int, routes: torch.Tensor) -> None:
 
 
 def packed_routes(trees: Sequence[Any], packed: Any, num_layers: int, topk: int) -> torch.Tensor:
-    """(T, L, k) int64 routes of every token of `packed` (the layout of `trees`), `NO_ROUTE` where
-    a node holds none."""
-    out = torch.full((packed.num_tokens, num_layers, topk), NO_ROUTE, dtype=torch.long)
+    """(T, L, k) int16 routes of every token of `packed` (the layout of `trees`), `NO_ROUTE` where
+    a node holds none (int16: a step's routes stay small in host memory; the learner widens them
+    per forward)."""
+    out = torch.full((packed.num_tokens, num_layers, topk), NO_ROUTE, dtype=torch.int16)
     for g, (ti, lid) in enumerate(packed.node_local):
         routing = trees[ti].nodes[lid].routing
         if routing is not None:
             s, e = int(packed.node_start[g]), int(packed.node_end[g])
-            out[s:e] = as_index(routing[: e - s])
+            out[s:e] = as_index(routing[: e - s]).to(torch.int16)
     return out

@@ -105,7 +105,7 @@ class Trainer:
         # validation and a static prefix-table width (the most prefixes one prompt can have).
         on_gpu = self.learner.groups.device.type == "cuda"
         sync_free = dict(check=False, max_group_size=cfg.allocation.rollouts_per_prompt_max * cfg.rollout.max_turns)
-        self.allocator = build_allocator(cfg.allocation, **(sync_free if on_gpu else {}))
+        self.allocator = build_allocator(cfg.allocation, min_trees=g.dp_size, **(sync_free if on_gpu else {}))
         self.fallback = self.allocator.without_predictor()
         self.predictor = build_predictor(
             cfg.predictor, hidden_size=self.learner.hidden_size, vocab_size=self.learner.model_cfg.vocab_size

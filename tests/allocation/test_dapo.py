@@ -5,8 +5,12 @@ The rounds run through the real `RolloutCollector` and `AgentLoop` on a scripted
 each prompt's rewards are fixed (all 0, all 1, or mixed), so every round's outcome is known.
 """
 
+import json
 import os
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 from typing import Iterable, Optional
 
 import numpy as np
@@ -19,6 +23,7 @@ from trace_mega.allocation import DapoAllocator, build_allocator
 from trace_mega.config import AllocationConfig, ConfigError, RolloutConfig
 from trace_mega.envs.base import EpisodeState
 from trace_mega.envs.synthetic import ANSWER_DONE, SyntheticEnv
+from trace_mega.kernels._triton_env import env_without_interpreter
 from trace_mega.learner.parallel import free_port
 from trace_mega.rollout.collector import RolloutCollector, reward_spread
 from trace_mega.rollout.engines.base import Completion, Engine, SamplingParams
@@ -93,7 +98,9 @@ def _collector(kinds: list[str], layout: Optional[ReplicaLayout] = None):
     return env, RolloutCollector(env, AnswerEngine(done), env.tokenizer, cfg, tool_timeout_s=5.0, layout=layout)
 
 
-def _dapo(kinds: list[str], target: int, per_round: int, rounds_paid: int, extra: int = 0) -> DapoAllocator:
+def _dapo(
+    kinds: list[str], target: int, per_round: int, rounds_paid: int, extra: int = 0, min_trees: int = 1
+) -> DapoAllocator:
     """A dapo allocator on a budget of `rounds_paid` full rounds (+ `extra` trajectories), as M roots, N = 0."""
     cfg = AllocationConfig(
         name="dapo",
@@ -104,7 +111,7 @@ def _dapo(kinds: list[str], target: int, per_round: int, rounds_paid: int, extra
         dapo_target_groups=target,
         dapo_groups_per_round=per_round,
     )
-    return build_allocator(cfg)
+    return build_allocator(cfg, min_trees=min_trees)
 
 
 def _step(kinds: list[str], alloc: DapoAllocator, layout: Optional[ReplicaLayout] = None):
@@ -156,10 +163,14 @@ def test_the_budget_ends_the_rounds_where_verl_raises_and_the_step_trains_on_wha
     assert metrics["alloc/dapo_rounds"] == 4 and m[9:].tolist() == [GROUP, 0, 0] and keep == [1, 6, 9]
 
 
-def test_a_step_without_contrast_keeps_its_generated_groups():
-    kinds = "0 1 0 1 0 1".split()
+def test_a_step_keeps_at_least_min_trees_groups_padding_with_uncontrasted_ones_in_draw_order():
+    kinds = "0 1 0 1 0 1".split()  # no contrast at all: the learner still gets a tree
     batch, m, keep, metrics = _step(kinds, _dapo(kinds, 2, 2, 2))
-    assert keep == [0, 1, 2, 3] and metrics["alloc/kept_groups"] == 4 and metrics["alloc/dapo_rounds"] == 2
+    assert keep == [0] and metrics["alloc/kept_groups"] == 0 and metrics["alloc/dapo_rounds"] == 2
+    kinds = "1 mix 0 0 1 1".split()  # one contrasted group, three trees for three data-parallel ranks
+    batch, m, keep, metrics = _step(kinds, _dapo(kinds, 2, 2, 2, min_trees=3))
+    assert keep == [0, 1, 2] and metrics["alloc/kept_groups"] == 1 and int(m.sum()) == 16
+    assert [t.leaf_rewards() for t in batch.trees] == [REWARDS["1"], REWARDS["mix"], REWARDS["0"]]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -188,7 +199,7 @@ def test_random_scripts_never_exceed_the_budget_and_agree_with_verl(seed):
         assert keep == want and alloc.metrics()["alloc/dapo_rounds"] == gen_batches
     else:  # the budget (or the stream) ends first: the contrasted groups among the paid ones, cut to the target
         drawn = [i for i in contrasted if i < paid][:target]
-        assert int(m.sum()) == paid * GROUP and keep == (drawn or list(range(paid)))
+        assert int(m.sum()) == paid * GROUP and keep == (drawn or [0])  # none: the first group drawn
 
 
 def test_defaults_and_config_checks():
@@ -233,3 +244,68 @@ def test_two_replicas_keep_the_same_batch_as_one():
         assert "crash" not in res[r], res[r]
         assert {k: res[r][k] for k in one} == one and res[r]["rounds"] == metrics["alloc/dapo_rounds"] == 2
         assert res[r]["generating"] == 2  # both replicas rolled out a share
+
+
+# --- in the trainer -------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+# The demo's tiny CPU config, shrunk; the `synthetic` env pays the random policy from step 0, so
+# some groups are contrasted and some are not. 24 trajectories: 6 groups of 4, 2 per round.
+TRAIN = [
+    "allocation.name=dapo",
+    "allocation.prompts_per_step=8",
+    "allocation.root_rollouts_per_step=12",
+    "allocation.dapo_groups_per_round=2",
+    "allocation.dapo_target_groups=3",
+    "rollout.max_turns=4",
+    "env.name=synthetic",
+    "env.options={num_tasks: 16}",
+    "telemetry.tensorboard=false",
+    "telemetry.progress_bars=false",
+    "steps=3",
+]
+
+
+def _train(out: Path, *launcher: str) -> list[dict]:
+    """The metrics rows of a `trace-mega train` run of `TRAIN` (under `launcher`, e.g. torchrun)."""
+    cmd = [*launcher, "-m", "trace_mega", "train", "--config", str(ROOT / "configs" / "demo_cpu.yaml")]
+    cmd += [*TRAIN, f"telemetry.out_dir={out}"]
+    env = env_without_interpreter() | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_rows(rows: list[dict], min_trees: int) -> None:
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        generated, kept = r["alloc/generated_trajectories"], r["alloc/kept_groups"]
+        assert generated == 24 - r["alloc/budget_unspent"] and generated % 4 == 0 and r["loss/skipped"] == 0.0
+        assert 1 <= r["alloc/dapo_rounds"] == generated / 8 and 0 <= kept <= 3 and r["rollout/generated_tokens"] > 0
+        # The step trains on the contrasted groups it kept, padded to `min_trees` with uncontrasted ones.
+        assert r["alloc/contrasted_prompts"] == kept and r["alloc/active_prompts"] == max(kept, min_trees)
+        assert r["alloc/trajectories"] == 4 * r["alloc/active_prompts"]
+        assert kept == 3 or generated == 24  # the rounds end at the target or at the budget
+    assert any(r["alloc/dapo_rounds"] > 1 for r in rows) and any(r["alloc/kept_groups"] for r in rows)
+
+
+@pytest.mark.slow
+def test_dapo_trains_end_to_end_within_the_budget(tmp_path):
+    _check_rows(_train(tmp_path, sys.executable), min_trees=1)
+
+
+@pytest.mark.slow
+def test_dapo_in_the_trainer_dp2_logs_what_dp1_logs(tmp_path):
+    one = _train(tmp_path / "dp1", sys.executable)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    two = _train(tmp_path / "dp2", *torchrun, "--master-port", str(free_port()))
+    _check_rows(two, min_trees=2)
+    assert all(b["rollout/replicas_generating"] == 2 for b in two)
+    rounds = ("alloc/generated_trajectories", "alloc/dapo_rounds", "alloc/kept_groups", "rollout/generated_tokens")
+    exact = ("alloc/", "reward/", "data/", "rollout/generated_tokens", "loss/units")
+    for a, b in zip(one, two):
+        assert {k: a[k] for k in rounds} == {k: b[k] for k in rounds}  # the same rounds, the same groups kept
+        if a["alloc/kept_groups"] < 2:  # DP=2 pads the batch to a tree per rank: the updates differ from here
+            break
+        assert {k: v for k, v in a.items() if k.startswith(exact)} == {
+            k: v for k, v in b.items() if k.startswith(exact)
+        }

@@ -146,12 +146,17 @@ class Allocator:
     uses_predictor: bool = False
     """Whether its plans read the predicted success values (else they may be all zeros)."""
 
-    def __init__(self, cfg: AllocationConfig, *, check: bool = True, max_group_size: Optional[int] = None) -> None:
+    def __init__(
+        self, cfg: AllocationConfig, *, check: bool = True, max_group_size: Optional[int] = None, min_trees: int = 1
+    ) -> None:
         """`check=False` and `max_group_size` (most candidate prefixes of one prompt) make the
-        trace solvers run with no host sync on the GPU hot path (see `allocate_prefixes`)."""
+        trace solvers run with no host sync on the GPU hot path (see `allocate_prefixes`).
+        `min_trees`: the fewest trees a step may keep (the trainer passes its data-parallel size:
+        the learner gives every rank a tree); read by an allocator that drops served prompts (dapo)."""
         self.cfg = cfg
         self.check = check
         self.max_group_size = max_group_size
+        self.min_trees = min_trees
         self.root_budget = cfg.root_rollouts_per_step
         self.continuation_budget = int(round(cfg.root_rollouts_per_step * cfg.continuations_per_rollout))
         self.trajectories_per_step = self.root_budget + self.continuation_budget
@@ -229,7 +234,10 @@ class Allocator:
     def _counterpart(self, name: str) -> "Allocator":
         """Allocator `name` on the same budget and solver options."""
         return ALLOCATORS.get(name)(
-            dataclasses.replace(self.cfg, name=name), check=self.check, max_group_size=self.max_group_size
+            dataclasses.replace(self.cfg, name=name),
+            check=self.check,
+            max_group_size=self.max_group_size,
+            min_trees=self.min_trees,
         )
 
     def __repr__(self) -> str:

@@ -11,10 +11,11 @@ Every generated trajectory counts against `trajectories_per_step`, the budget th
 allocators spend, so the rounds also end when the budget cannot pay one more group (the last
 round is cut to the groups it can pay) or the candidates run out; the step then trains on the
 contrasted groups kept, fewer than the target (verl would go on generating up to
-`max_num_gen_batches` gen batches and then raise); a step without any keeps every group it
-generated, like the other arms on such a step. Contrasted groups beyond the target are cut in
-draw order, as verl's `batch[:train_batch_size * n]` does. A candidate drawn in no round, or
-dropped, leaves the step (`plan_keep`).
+`max_num_gen_batches` gen batches and then raise). Contrasted groups beyond the target are cut
+in draw order, as verl's `batch[:train_batch_size * n]` does. A candidate drawn in no round, or
+dropped, leaves the step (`plan_keep`), except that a step keeps at least `min_trees` groups (the
+learner gives each data-parallel rank a tree): one with fewer contrasted groups (none, early in a
+run) also keeps the first uncontrasted ones it drew, which carry no advantage.
 
 The plan is a function of `m` and the spreads alone, with no state between rounds: the
 candidates drawn so far are always the first ones of the step's order. It runs on the host
@@ -67,15 +68,15 @@ class DapoAllocator(Allocator):
     def plan_keep(self, m, spread):
         keep = self._contrasted(m, spread)
         keep &= torch.cumsum(keep.long(), 0) <= self.target  # the surplus cut in draw order
-        if not bool(keep.any()):
-            # No contrast at all: the step trains on the groups it generated, as the other arms do
-            # on such a step (no advantage in them); the learner needs a tree to train on.
-            keep = m > 0
         self._figures = {
             "alloc/dapo_rounds": float(math.ceil(self._drawn(m) / self.per_round)),
             "alloc/kept_groups": float(keep.sum()),
         }
-        return keep
+        # The learner needs `min_trees` trees (one per data-parallel rank): a step that kept fewer
+        # contrasted groups also keeps the first uncontrasted ones it drew (no advantage in them).
+        pad = (m > 0) & ~keep
+        pad &= torch.cumsum(pad.long(), 0) <= self.min_trees - int(keep.sum())
+        return keep | pad
 
     def metrics(self) -> dict[str, float]:
         """`alloc/dapo_rounds` and `alloc/kept_groups` of the last step, with the base's counts."""

@@ -1,5 +1,6 @@
-"""End to end: every allocator spends exactly M·(1+N) trajectories on every step, and a multi-mini-batch
-update of the demo actually clips. Real trainer runs (megatron + gloo on CPU) in one subprocess."""
+"""End to end: every allocator spends exactly M·(1+N) trajectories on every step (dapo at most that
+many, counted as generated, dropped groups included), and a multi-mini-batch update of the demo
+actually clips. Real trainer runs (megatron + gloo on CPU) in one subprocess."""
 
 import json
 import os
@@ -10,7 +11,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOCATORS = ["uniform", "pcl", "treepo", "trace", "trace_global"]
+EXACT = ["uniform", "pcl", "treepo", "trace", "trace_global"]
+ALLOCATORS = [*EXACT, "dapo"]
+RUNS = {a: [f"allocation.name={a}"] for a in EXACT} | {
+    "dapo": ["allocation.name=dapo", "allocation.dapo_groups_per_round=2"]
+}
+"""One run per allocator; dapo draws 2 prompts a round, so its budget takes several rounds."""
 
 # Runs each allocator (or override set) in turn in one process, writing its metrics rows as JSON.
 SCRIPT = """
@@ -51,12 +57,20 @@ def _check_equal_budget(result: dict, steps: int, total: int) -> None:
     for name in ALLOCATORS:
         rows = result[name]
         assert [r["step"] for r in rows] == list(range(steps)), name
-        assert [r["alloc/trajectories"] for r in rows] == [float(total)] * steps, name
         assert all(r["loss/skipped"] == 0.0 and r["alloc/invalid_predictions"] == 0.0 for r in rows), name
+        generated = [r["alloc/generated_trajectories"] for r in rows]
+        assert generated == [total - r["alloc/budget_unspent"] for r in rows], name
+        if name in EXACT:  # every trajectory generated is trained on
+            assert generated == [r["alloc/trajectories"] for r in rows] == [float(total)] * steps, name
+            continue
+        for r in rows:  # dapo: at most the budget, all of it unless its target batch filled first
+            gen = r["alloc/generated_trajectories"]
+            assert 0 < gen == r["alloc/dapo_rounds"] * 2 * 4 <= total and r["alloc/trajectories"] <= gen
+            assert gen == total or r["alloc/kept_groups"] == total // 4
 
 
-@pytest.mark.slow  # ~1 min on a loaded 2-core CPU: five trainer set-ups (the unit test is tests/allocation)
-def test_five_allocators_spend_exactly_the_budget_every_step_small(tmp_path):
+@pytest.mark.slow  # ~1 min on a loaded 2-core CPU: six trainer set-ups (the unit test is tests/allocation)
+def test_every_allocator_spends_the_budget_every_step_small(tmp_path):
     # M = 8 roots and N = 3: 32 trajectories per step. At most 2 turns (so at most one intermediate
     # prefix per rollout, none when it answers at once) and 1 continuation per prefix: the caps
     # bind everywhere, so the tree allocators must spend the rest as fresh root rollouts.
@@ -71,15 +85,15 @@ def test_five_allocators_spend_exactly_the_budget_every_step_small(tmp_path):
         "allocation.continuations_per_prefix_max=1",
         "predictor.updates_per_step=2",
     ]
-    result = _run(tmp_path, {a: [f"allocation.name={a}"] for a in ALLOCATORS}, small)
+    result = _run(tmp_path, RUNS, small)
     _check_equal_budget(result, 2, 32)
     for name in ("treepo", "trace", "trace_global"):
         assert all(r["alloc/root_continuations"] >= 16 for r in result[name]), name
 
 
 @pytest.mark.slow
-def test_five_allocators_three_demo_steps_log_64_trajectories(tmp_path):
-    _check_equal_budget(_run(tmp_path, {a: [f"allocation.name={a}"] for a in ALLOCATORS}, ["steps=3"]), 3, 64)
+def test_every_allocator_three_demo_steps_logs_64_trajectories(tmp_path):
+    _check_equal_budget(_run(tmp_path, RUNS, ["steps=3"]), 3, 64)
 
 
 @pytest.mark.slow

@@ -97,7 +97,7 @@ def summarise(rows: list[dict[str, float]], wall_s: float, split: str = "test") 
         "reward_last10": _mean(rows[-10:], "reward/mean"),
         # The policy on every task (the training reward is over the prompts each method chose).
         "eval_reward_final": _last(rows, f"eval/{split}/reward"),
-        "trajectories_per_step": _mean(rows, "alloc/trajectories"),
+        "trajectories_per_step": _mean(rows, "alloc/generated_trajectories"),  # generated (dapo drops some)
         "generated_tokens_per_step": _mean(rows, "rollout/generated_tokens"),
         "wall_s": wall_s,
     }

@@ -16,9 +16,9 @@ implements the same hook.
 * `install(net)`: per-layer `RouteReplay`s on this pipeline stage's MoE routers (a stage only has
   its own layers), kept as `net.route_replays` {global layer index: replay}.
 * `replaying(net, routing, length)`: context for one forward: routing `(B=1, S, L, k)` int16 on
-  the host (the whole model's layers; `NO_ROUTE` rows route on their own: tokens the engine never fed, padding). Each
-  layer gets its slice in the router's token order: the layer sees [S/tp, B] tokens, this TP
-  rank's contiguous sequence block under sequence parallelism, else all S.
+  the host (the whole model's layers; `NO_ROUTE` rows route on their own: tokens the engine never
+  fed, padding). Each layer gets its slice in the router's token order: the layer sees [S/tp, B]
+  tokens, this TP rank's contiguous sequence block under sequence parallelism, else all S.
 * `RouteReplay` counts, in grad-enabled forwards (the loss's), the token-layer routes replayed and
   those where the policy's own top-k would have picked the same experts; `take_metrics` reduces
   them over all ranks: `moe/replay_agreement`, `moe/replayed_tokens`.

@@ -15,7 +15,7 @@ log-probs it trains on come from the experts the engine sampled from.
 * `extend_routes` / `attach_routes`: the agent loop keeps each episode's path routes (every
   request's routes cover its prompt and its generated tokens but the last), then splits them over
   the tree nodes of that path, each token's routes stored once, on the node that holds it;
-  `packed_routes(trees, packed, ...)` lays them out in the packed stream order: (T, L, k).
+  `packed_routes(trees, packed, ...)` lays them out in the packed stream order: (T, L, k) int16.
 """
 
 from __future__ import annotations

@@ -140,13 +140,15 @@ def test_predictor_free_counterparts():
     want["dapo"] = "dapo"
     assert set(want) == set(ALLOCATORS.names())
     for name, counterpart in want.items():
-        alloc = build_allocator(AllocationConfig(**{**cfg.__dict__, "name": name}), check=False, max_group_size=12)
+        alloc = build_allocator(
+            AllocationConfig(**{**cfg.__dict__, "name": name}), check=False, max_group_size=12, min_trees=2
+        )
         free = alloc.without_predictor()
         assert free.name == counterpart and not free.uses_predictor
         assert alloc.uses_predictor == (counterpart != name) and (free is alloc) == (counterpart == name)
         # Same budget and the same sync-free solver options as the allocator it stands in for.
         assert free.trajectories_per_step == alloc.trajectories_per_step
-        assert (free.check, free.max_group_size) == (False, 12)
+        assert (free.check, free.max_group_size, free.min_trees) == (False, 12, 2)
 
 
 def test_trace_exploration_floor_serves_prompts_the_solver_starves():

@@ -45,10 +45,10 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-def _run(hf_dir, tmp_path, tp: int, ep: int, pp: int, noise: float) -> dict:
+def _run(hf_dir, tmp_path, tp: int, ep: int, pp: int, noise: float, micro_batch_tokens: int = 4096) -> dict:
     out = tmp_path / f"tp{tp}_ep{ep}_pp{pp}_n{noise}.json"
     # EP shards the experts over data-parallel ranks: tp * pp * ep processes give DP = EP.
-    args = [str(hf_dir), str(out), str(tp), str(ep), str(pp), str(noise)]
+    args = [str(hf_dir), str(out), str(tp), str(ep), str(pp), str(noise), str(micro_batch_tokens)]
     torchrun("routing_replay_worker.py", tp * ep * pp, args, timeout=400)
     return read_json(out)
 
@@ -77,11 +77,12 @@ def test_unperturbed_engine_routes_agree_with_the_learners(hf_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep,pp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
-def test_replay_under_tensor_sequence_expert_and_pipeline_parallelism(hf_dir, tmp_path, tp, ep, pp):
+@pytest.mark.parametrize("tp,ep,pp,micro", [(2, 1, 1, 4096), (1, 2, 1, 4096), (1, 1, 2, 24)])
+def test_replay_under_tensor_sequence_expert_and_pipeline_parallelism(hf_dir, tmp_path, tp, ep, pp, micro):
     """TP=2 (sequence parallel: each rank replays its block of the sequence), EP=2 (DP=2: each rank
-    its trees in training), PP=2 (each stage its own layer)."""
-    _check_replay(_run(hf_dir, tmp_path, tp, ep, pp, noise=1.0))
+    its trees in training), PP=2 (each stage its own layer) with one tree per micro-batch (24
+    tokens: the 1F1B schedule interleaves the micro-batches' forwards and backwards)."""
+    _check_replay(_run(hf_dir, tmp_path, tp, ep, pp, noise=1.0, micro_batch_tokens=micro))
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """torchrun worker: MoE rollout routing replay (R3) in the learner against an HF forward with forced routes.
 
-argv: HF_DIR OUT_JSON TP EP PP NOISE
+argv: HF_DIR OUT_JSON TP EP PP NOISE MICRO_BATCH_TOKENS
 
 The rollout engine (a torch engine on the same checkpoint, its routers perturbed by NOISE x their
 std, so it routes some tokens elsewhere) generates small trees and captures its routes. The
@@ -98,11 +98,21 @@ def forced_logprobs(hf_dir: str, trees, packed, routes: torch.Tensor) -> tuple[t
 
 def main() -> None:
     hf_dir, out_json = sys.argv[1], sys.argv[2]
-    tp, ep, pp, noise = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+    tp, ep, pp, noise, micro = (
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        int(sys.argv[5]),
+        float(sys.argv[6]),
+        int(sys.argv[7]),
+    )
     cfg = TrainConfig(
         model=ModelConfig(hf_checkpoint=hf_dir, moe_routing_replay="rollout"),
         parallel=ParallelConfig(
-            device="cpu", tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp
+            device="cpu",
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            pipeline_model_parallel_size=pp,
+            micro_batch_tokens=micro,
         ),
         optim=OptimConfig(lr=1e-3, clip_grad_norm=0.0),
         loss=LossConfig(kl_coef=0.01),  # builds the frozen reference, which must route on its own

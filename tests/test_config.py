@@ -114,7 +114,10 @@ def test_registry_lists_valid_names_on_error():
 @pytest.mark.parametrize(
     "data, pattern",
     [
-        ({"allocation": {"name": "tracee"}}, r"^allocation\.name: unknown allocator 'tracee'; valid names: dapo, pcl, trace"),
+        (
+            {"allocation": {"name": "tracee"}},
+            r"^allocation\.name: unknown allocator 'tracee'; valid names: dapo, pcl, trace",
+        ),
         ({"loss": {"name": "ppo"}}, r"^loss\.name: unknown loss 'ppo'; valid names: dapo, gspo, ppo_clip_token"),
         (
             {"rollout": {"engine": "sglang"}},

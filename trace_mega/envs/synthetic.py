@@ -33,7 +33,9 @@ rendering and parsing path.
   on the policy). ``walls=True`` adds the prompts no policy solves, the all-0
   groups of a real prompt set: a copy of the dry tasks whose prompt ends in
   ``wall`` — the goal cell is walled off, a move into it answers ``at X wall``
-  and leaves the agent where it was.
+  and leaves the agent where it was. ``synthetic_levels``
+  (trace_mega/envs/synthetic_levels.py) is this walk over 900 prompts with a
+  held-out test split.
 
 Each episode's randomness comes from a per-state RNG (for ``synthetic``, the
 undrawn digits of U are a uniform ``tail`` drawn with it); `fork` replaces

@@ -52,12 +52,12 @@ def test_summary_skips_warmup_takes_peak_memory_max_and_ignores_nonfinite():
     rows = [
         {"time/step_s": 9.0, "perf/peak_memory_gib": 1.0, "reward/mean": 0.0},
         {"time/step_s": 1.0, "perf/peak_memory_gib": 3.0, "reward/mean": float("nan")},
-        {"time/step_s": 3.0, "perf/peak_memory_gib": 2.0, "reward/mean": 0.5},
+        {"time/step_s": 3.0, "perf/peak_memory_gib": 2.0, "reward/mean": 0.5, "eval/test/reward": 0.25},
     ]
     s = summarize(rows, warmup_steps=1)
     assert s["time/step_s"] == 2.0 and s["perf/peak_memory_gib"] == 3.0 and s["reward/mean"] == 0.5
     assert summarize(rows[:1], warmup_steps=1)["time/step_s"] == 9.0  # nothing after the warm-up: all steps
-    assert "mismatch/k3" not in s
+    assert "mismatch/k3" not in s and s["eval/test/reward"] == 0.25  # the last eval, whenever it ran
 
 
 def test_every_point_is_validated_before_any_runs(tmp_path):

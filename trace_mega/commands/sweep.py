@@ -14,8 +14,8 @@ metrics.jsonl, the console output in `sweep_point.log`) and reports the mean ove
 the steps after the first `--warmup-steps` of: step time and its phases,
 generated and trained tokens per second per GPU, MFU (on a GPU with a known
 peak), peak memory (the largest step's), training-inference mismatch,
-effective ratio, reward, and MoE replay agreement when the policy replays
-routing. A point that fails is a row with its exit code and last error line;
+effective ratio, reward, MoE replay agreement when the policy replays
+routing, and the last held-out eval reward when the config evaluates. A point that fails is a row with its exit code and last error line;
 the others still run. Writes `sweep.md`, `sweep.json` and `sweep.png` in `<out>`;
 exits 1 if any point failed.
 """
@@ -50,6 +50,7 @@ COLUMNS = [
     ("perf/peak_memory_gib", "peak mem GiB", ".2f", "max"),
     ("mismatch/k3", "mismatch k3", ".1e", "mean"),
     ("loss/logprob_mismatch", "logprob mismatch", ".1e", "mean"),
+    ("loss/clip_fraction", "clip frac", ".4f", "mean"),
     ("moe/replay_agreement", "replay agree", ".3f", "mean"),
     ("alloc/effective_ratio", "eff ratio", ".2f", "mean"),
     ("reward/mean", "reward", ".3f", "mean"),
@@ -137,6 +138,9 @@ def summarize(rows: list[dict], warmup_steps: int) -> dict[str, float]:
     """Per column, the steps after the warm-up combined (all steps when there are no others)."""
     kept = rows[warmup_steps:] or rows
     out = {}
+    evals = sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/reward")})
+    for key in evals:  # held-out eval runs every eval.every_steps: the point's last one
+        out[key] = [r[key] for r in rows if key in r][-1]
     for key, _, _, how in COLUMNS + [(f"time/{p}_s", "", "", "mean") for p in PHASES]:
         vals = [r[key] for r in kept if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         if vals:
@@ -212,6 +216,8 @@ def run_sweep(
 def markdown(report: dict) -> str:
     axes = [k for k, _ in report["axes"]]
     cols = [c for c in COLUMNS if any(c[0] in p["metrics"] for p in report["points"])]
+    evals = sorted({k for p in report["points"] for k in p["metrics"] if k.startswith("eval/")})
+    cols += [(k, f"eval {k.split('/')[1]} reward (last)", ".3f", "last") for k in evals]
     head = [*axes, "status", *(c[1] for c in cols)]
     lines = [
         f"Sweep of `{report['config']}`, {report['steps']} steps per point, means over the steps after the "

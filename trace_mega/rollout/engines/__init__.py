@@ -3,7 +3,8 @@
 from typing import Optional
 
 from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineSetup, SamplingParams
-from trace_mega.rollout.engines.torch_engine import PrefixKVCache, TorchEngine
+from trace_mega.rollout.engines.prefix_cache import PrefixKVCache
+from trace_mega.rollout.engines.torch_engine import TorchEngine
 from trace_mega.rollout.engines.vllm_engine import VLLMEngine  # imports vLLM only when one is constructed
 
 

@@ -7,7 +7,7 @@ stream of `(hf_name, tensor)` pairs vLLM's `load_weights` takes, so both
 engines share one weight-sync path.
 
 Prefix reuse (docs/design.md §3.4, step 8: never re-prefill a shared prefix): every
-finished sequence leaves its KV (prompt + generated tokens) in `PrefixKVCache`,
+finished sequence leaves its KV (prompt + generated tokens) in `PrefixKVCache` (prefix_cache.py),
 an LRU store bounded by tokens. A new request takes the longest common token
 prefix with any stored sequence, copies that much KV, and prefills only the
 rest — so the next turn of a trajectory prefills only the observation, and a
@@ -38,147 +38,16 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Optional, Sequence, Union
+from typing import Any, Hashable, Iterable, Optional, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from trace_mega.rollout.engines.base import ENGINES, Completion, Engine, EngineSetup, SamplingParams
+from trace_mega.rollout.engines.prefix_cache import KV, CacheEntry, PrefixKVCache
 from trace_mega.rollout.engines.routing import RoutingRecorder
-
-KV = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per-layer (key, value) of one sequence, each [kv_heads, seq, head_dim] (post-RoPE, as HF caches them)."""
-
-
-@dataclass
-class _Entry:
-    tokens: np.ndarray
-    """[L] int64 token ids whose KV is held (numpy: the prefix scans are many tiny compares)."""
-    kv: KV
-    eid: int = -1
-    """Insertion number (orders batches reproducibly: a memory address would differ per process)."""
-    routes: Optional[torch.Tensor] = None
-    """With routing capture: [L, MoE layers, top-k] experts of the tokens, as first computed."""
-
-
-class _TrieNode:
-    """One token position shared by the stored sequences that pass through it."""
-
-    __slots__ = ("children", "eids", "end")
-
-    def __init__(self) -> None:
-        self.children: dict[int, "_TrieNode"] = {}
-        self.eids: set[int] = set()
-        """Entries whose tokens pass through (or end at) this node."""
-        self.end: Optional[int] = None
-        """The entry whose tokens end exactly here (at most one: an identical insert is covered)."""
-
-
-class PrefixKVCache:
-    """LRU store of per-sequence KV, looked up by the longest common token prefix.
-
-    Causal attention makes the KV of a sequence's first n tokens depend on
-    those tokens only, so any stored sequence serves every request that shares
-    a prefix with it. A new sequence replaces stored sequences it extends;
-    eviction drops least-recently-used sequences until at most `max_tokens`
-    tokens are held.
-
-    The stored token sequences form a trie, so a lookup or an insert costs
-    O(its length) whatever the number of stored sequences (a scan over every
-    stored sequence was the rollout's largest host cost with a few hundred
-    episodes in flight). Among the sequences sharing the longest prefix, a
-    lookup returns the most recently used.
-    """
-
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self._entries: "OrderedDict[int, _Entry]" = OrderedDict()
-        self._used: dict[int, int] = {}
-        """Entry id -> recency stamp (larger: used later); orders ties inside one trie node."""
-        self._clock = 0
-        self._root = _TrieNode()
-        self._next_id = 0
-        self.tokens_held = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _touch(self, eid: int) -> None:
-        self._entries.move_to_end(eid)
-        self._clock += 1
-        self._used[eid] = self._clock
-
-    def lookup(self, tokens: Sequence[int]) -> tuple[Optional[_Entry], int]:
-        """The entry sharing the longest prefix with `tokens` and that length (0 and None: no hit)."""
-        node, depth = self._root, 0
-        for t in _ints(tokens):
-            child = node.children.get(t)
-            if child is None:
-                break
-            node, depth = child, depth + 1
-        if depth == 0:
-            return None, 0
-        eid = max(node.eids, key=self._used.__getitem__)
-        self._touch(eid)
-        return self._entries[eid], depth
-
-    def insert(self, tokens: Sequence[int], kv: KV, routes: Optional[torch.Tensor] = None) -> None:
-        toks = _ints(tokens)
-        n = len(toks)
-        if n == 0 or n > self.max_tokens:
-            return
-        node, extended = self._root, []
-        for t in toks:
-            node = node.children.get(t)
-            if node is None:
-                break
-            if node.end is not None:  # a stored sequence the new one extends
-                extended.append(node.end)
-        else:  # already covered by a sequence that extends this one (the least recently used)
-            self._touch(min(node.eids, key=self._used.__getitem__))
-            return
-        for eid in extended:
-            self._remove(eid)
-        eid, node = self._next_id, self._root
-        self._next_id += 1
-        for t in toks:
-            node = node.children.setdefault(t, _TrieNode())
-            node.eids.add(eid)
-        node.end = eid
-        self._entries[eid] = _Entry(np.asarray(toks, dtype=np.int64), kv, eid, routes)
-        self._touch(eid)
-        self.tokens_held += n
-        while self.tokens_held > self.max_tokens:
-            self._remove(next(iter(self._entries)))
-
-    def _remove(self, eid: int) -> None:
-        entry = self._entries.pop(eid)
-        del self._used[eid]
-        self.tokens_held -= entry.tokens.size
-        node = self._root
-        for t in entry.tokens.tolist():
-            child = node.children[t]
-            child.eids.discard(eid)
-            if not child.eids:  # no other sequence below: drop the whole branch
-                del node.children[t]
-                return
-            node = child
-        node.end = None
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._used.clear()
-        self._root = _TrieNode()
-        self.tokens_held = 0
-
-
-def _ints(tokens: Sequence[int]) -> Sequence[int]:
-    """Token ids as trie keys: a list as it is, an array as Python ints (numpy scalars hash and
-    compare equal to ints, only slower)."""
-    return tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
 
 
 @dataclass
@@ -190,7 +59,7 @@ class _Row:
     sampling: SamplingParams
     gen: Optional[torch.Generator] = None
     """The request's own sampler stream (seeded `sampling.seed`)."""
-    source: Optional[_Entry] = None
+    source: Optional[CacheEntry] = None
     """Cached sequence whose first `reuse` KV columns are copied in."""
     reuse: int = 0
     counted: int = 0
@@ -463,7 +332,7 @@ class TorchEngine(Engine):
                 self.cache.insert(r.prefix, self._row_kv(cache, mask, b), routes)
         return hit_before
 
-    def _lookup(self, prefix: list[int]) -> tuple[Optional[_Entry], int]:
+    def _lookup(self, prefix: list[int]) -> tuple[Optional[CacheEntry], int]:
         """Cached KV usable for `prefix`: at most len-1 tokens, the last is fed to get the next logits."""
         if not self.enable_prefix_caching:
             return None, 0

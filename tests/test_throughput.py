@@ -5,7 +5,7 @@ import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
 from trace_mega.config import ModelConfig
-from trace_mega.learner.learner import hf_config
+from trace_mega.learner.hf_files import hf_config
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 from trace_mega.telemetry import forward_flops, response_lengths, throughput_metrics
 

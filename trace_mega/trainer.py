@@ -38,8 +38,8 @@ from trace_mega.credit.metrics import env_credit_accuracy
 from trace_mega.credit.probe import check_task_answers, nonfinite_probes
 from trace_mega.envs import build_env, check_env
 from trace_mega.evaluation import EvalReport, evaluate
-from trace_mega.learner.hf_files import policy_tokenizer, write_hf_extras
-from trace_mega.learner.learner import Learner, hf_config
+from trace_mega.learner.hf_files import hf_config, policy_tokenizer, write_hf_extras
+from trace_mega.learner.learner import Learner
 from trace_mega.objective.advantages import ADVANTAGES, compute_advantages
 from trace_mega.objective.losses import LOSSES
 from trace_mega.predictor import Calibration, SkillGuard, build_predictor, plot_reliability

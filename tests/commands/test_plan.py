@@ -10,7 +10,7 @@ import transformers
 
 from trace_mega.commands.plan import GIB, count_params, format_plan, plan_memory
 from trace_mega.config import ConfigError, ModelConfig, TrainConfig, load_yaml
-from trace_mega.learner.learner import hf_config
+from trace_mega.learner.hf_files import hf_config
 from trace_mega.learner.models import model_config_from_hf
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -63,7 +63,8 @@ def export_checkpoint(run: str | Path, out_dir: str | Path, step: Optional[int] 
     """Write the policy of `run`'s checkpoint (newest, or at `step`) as an HF checkpoint in `out_dir`."""
     from trace_mega.learner.checkpoint import load_model_weights, trainer_state
     from trace_mega.learner.convert import save_hf
-    from trace_mega.learner.learner import policy_hf_config, resolve_model_config
+    from trace_mega.learner.hf_files import policy_hf_config
+    from trace_mega.learner.learner import resolve_model_config
     from trace_mega.learner.models import build_model
     from trace_mega.learner.parallel import destroy_parallel, init_parallel
 

@@ -51,6 +51,7 @@ from trace_mega.config import TrainConfig
 from trace_mega.credit.probe import ProbeResult, reference_probe
 from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trace_mega.learner.convert import export_hf, load_hf_into, save_hf
+from trace_mega.learner.hf_files import policy_hf_config
 from trace_mega.learner.models import build_model, model_config_from_hf, output_weight, unwrap
 from trace_mega.learner.optim import build_optimizer, forward_only, megatron_packed_forward, train_step, wrap_ddp
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
@@ -130,54 +131,6 @@ def resolve_model_config(cfg: TrainConfig):
 
     hf = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
     return model_config_from_hf(hf, params_dtype=cfg.model.params_dtype, attention_backend=cfg.model.attention_backend)
-
-
-def hf_config(model_cfg) -> Any:
-    """A transformers config describing the same network (the rollout engines' view of the policy)."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    common = dict(
-        vocab_size=model_cfg.vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        intermediate_size=model_cfg.ffn_hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_key_value_heads=model_cfg.num_query_groups,
-        head_dim=model_cfg.head_dim,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        rms_norm_eps=model_cfg.norm_epsilon,
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(model_cfg.rotary_base)},
-        hidden_act={"gelu_tanh": "gelu_pytorch_tanh"}.get(model_cfg.activation, model_cfg.activation),
-        attention_bias=False,
-        torch_dtype="float32",
-    )
-    if not model_cfg.qk_layernorm:
-        raise ValueError("the rollout engines' HF view is Qwen3 (q/k-norm); set model.qk_layernorm: true")
-    if model_cfg.num_experts:
-        return Qwen3MoeConfig(
-            num_experts=model_cfg.num_experts,
-            num_experts_per_tok=model_cfg.moe_router_topk,
-            moe_intermediate_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
-            norm_topk_prob=model_cfg.moe_norm_topk_prob,
-            **common,
-        )
-    return Qwen3Config(**common)
-
-
-def policy_hf_config(cfg: TrainConfig, model_cfg) -> Any:
-    """The transformers config an export of the policy carries: the source checkpoint's own
-    config (its architecture and extra fields) when initialised from one, else `hf_config`'s
-    Qwen3 / Qwen3-MoE view; `architectures` and `dtype` set for loaders (transformers, vLLM)."""
-    if cfg.model.hf_checkpoint:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(cfg.model.hf_checkpoint)
-    else:
-        config = hf_config(model_cfg)
-        config.architectures = ["Qwen3MoeForCausalLM" if model_cfg.num_experts else "Qwen3ForCausalLM"]
-    config.dtype = model_cfg.params_dtype
-    return config
 
 
 class Learner:

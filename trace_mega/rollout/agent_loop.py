@@ -580,17 +580,13 @@ class AgentLoop:
     def _commit(trees: list[RolloutTree], episodes: list[_Episode]) -> None:
         """Add the episodes' nodes to their trees in the order (turn, phase, episode) — the numbering
         of a loop that ran every episode's turn k together — and keep the states branching needs."""
-        order = sorted(
-            (k, phase, ep.ordinal, node, state, ep)
-            for ep in episodes
-            for k, (phase, node, state) in enumerate(ep.nodes)
-        )
+        order = [(k, phase, ep, node, state) for ep in episodes for k, (phase, node, state) in enumerate(ep.nodes)]
         tips = {ep.ordinal: ep.start for ep in episodes}
-        for _, _, ordinal, node, state, ep in order:
+        for _, _, ep, node, state in sorted(order, key=lambda x: (x[0], x[1], x[2].ordinal)):
             tree = trees[ep.tree_idx]
-            tips[ordinal] = tree.add_node(tips[ordinal], node)
+            tips[ep.ordinal] = tree.add_node(tips[ep.ordinal], node)
             if state is not None:
-                tree.runtime["states"][tips[ordinal]] = state
+                tree.runtime["states"][tips[ep.ordinal]] = state
         for ep in episodes:
             if ep.routes is not None:
                 attach_routes(trees[ep.tree_idx], tips[ep.ordinal], ep.routes)

@@ -6,19 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_trainer import SMALL  # the tiny demo overrides every trainer test uses
 
 from trace_mega.commands.sweep import Grid, main, point_name, run_point, run_sweep, split_values, summarize
 from trace_mega.config import ConfigError
 from trace_mega.kernels._triton_env import INTERPRET_VAR
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = [
-    "allocation.prompts_per_step=8",
-    "allocation.root_rollouts_per_step=12",
-    "rollout.max_turns=4",
-    "telemetry.tensorboard=false",
-    "telemetry.progress_bars=false",
-]
 
 
 def test_values_split_outside_brackets_and_quotes():

@@ -54,7 +54,8 @@ def _worker(out: str, reps: int, model: list[str]) -> None:
     import torch.distributed as dist
 
     from trace_mega.config import TrainConfig, load_yaml
-    from trace_mega.learner.learner import Learner, hf_config
+    from trace_mega.learner.hf_files import hf_config
+    from trace_mega.learner.learner import Learner
     from trace_mega.rollout.engines import TorchEngine
 
     tp = int(os.environ["WORLD_SIZE"])

@@ -35,21 +35,66 @@ def _run(args, timeout=400):
 
 
 @pytest.mark.slow
-def test_demo_writes_the_three_arm_report_over_seeds(tmp_path):
-    from trace_mega.commands.demo import REPORT_KEYS
+def test_demo_writes_the_four_arm_report_over_seeds(tmp_path):
+    from trace_mega.commands.demo import LEARNING_KEYS, METHODS, REPORT_KEYS
 
-    proc = _run(["demo", "--out", str(tmp_path), "--seeds", "2", "--from-scratch", *SHORT])
+    evals = ["eval.every_steps=1", "eval.samples_per_task=2"]
+    proc = _run(["demo", "--out", str(tmp_path), "--seeds", "2", "--from-scratch", *SHORT, *evals])
     report = (tmp_path / "report.md").read_text()
-    for method in ("uniform", "treepo", "trace"):
+    for method in METHODS:
         assert f"| {method} |" in report and f"| {method} seed 1 |" in report
         for seed in (0, 1):
             assert len((tmp_path / method / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()) == 2
-    table = json.loads((tmp_path / "report.json").read_text())
-    assert list(table) == ["uniform", "treepo", "trace"]
-    assert all(list(row) == list(REPORT_KEYS) for row in table.values())
+    out = json.loads((tmp_path / "report.json").read_text())
+    table = out["methods"]
+    assert list(table) == list(METHODS) == ["uniform", "dapo", "treepo", "trace"]
+    assert all(set(REPORT_KEYS) | set(LEARNING_KEYS) <= set(row) for row in table.values())
     assert table["uniform"]["predictor_fallback_frac"] == 0.0 and table["trace"]["trajectories_per_step"] == 24
-    assert (tmp_path / "curves.png").stat().st_size > 10_000
-    assert "report:" in proc.stdout
+    assert table["dapo"]["trajectories_per_step"] <= 24  # generated, dropped groups included
+    # the threshold is uniform's final held-out eval reward, mean over the seeds
+    assert out["threshold"] == pytest.approx(sum(table["uniform"]["eval_reward_final_per_seed"]) / 2)
+    for row in table.values():
+        assert [x for x, _ in row["eval_curve"]] == [24.0, 48.0] or row is table["dapo"]  # evals at steps 1, 2
+        assert row["eval_reward_final"] == pytest.approx(sum(row["eval_reward_final_per_seed"]) / 2)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000 and (tmp_path / "eval_curves.png").exists()
+    assert "report:" in proc.stdout and "trajectories_to_threshold" in proc.stdout
+    # a finished arm is reused, not trained again
+    again = _run(["demo", "--out", str(tmp_path), "--methods", "uniform", "--from-scratch", *SHORT, *evals])
+    assert "finished before with this config, reused" in again.stdout
+
+
+def test_learning_curve_measures():
+    from trace_mega.commands.demo import curve_auc, eval_curve, first_reaching, forgetting
+
+    rows = [
+        {"alloc/generated_trajectories": 10, "rollout/generated_tokens": 100},
+        {
+            "alloc/generated_trajectories": 10,
+            "rollout/generated_tokens": 100,
+            "eval/test/reward": 0.2,
+            "eval/test/a/mean@8": 0.5,
+            "eval/test/b/mean@8": 0.1,
+            "eval/test/macro/mean@8": 0.3,
+        },
+        {"alloc/generated_trajectories": 6, "rollout/generated_tokens": 50},
+        {
+            "alloc/generated_trajectories": 4,
+            "rollout/generated_tokens": 50,
+            "eval/test/reward": 0.6,
+            "eval/test/a/mean@8": 0.3,
+            "eval/test/b/mean@8": 0.4,
+            "eval/test/macro/mean@8": 0.35,
+        },
+    ]
+    curve = eval_curve(rows)
+    assert curve == [[20.0, 0.2], [30.0, 0.6]]  # trajectories generated up to and including the eval step
+    assert eval_curve(rows, tokens=True) == [[200.0, 0.2], [300.0, 0.6]]
+    assert first_reaching(curve, 0.5) == 30.0 and first_reaching(curve, 0.2) == 20.0
+    assert first_reaching(curve, 0.7) is None
+    assert curve_auc(curve, 30.0) == pytest.approx(0.4)  # the mean of a straight line from 0.2 to 0.6
+    assert curve_auc(curve, 25.0) == pytest.approx(0.3)  # cut at 25 (0.4 there): mean of 0.2..0.4
+    assert curve_auc([[5.0, 0.7]], 5.0) == 0.7
+    assert forgetting(rows) == {"a": pytest.approx(0.2), "b": 0.0}  # macro is not a level
 
 
 @pytest.mark.slow

@@ -1,9 +1,10 @@
 """`trace-mega demo | demo credit | pretrain | train | eval | export | plan | bench | sweep`.
 
 * `demo`  — the embedded default: a tiny GPT policy on a learnable synthetic
-  environment, on CPU, `uniform` GRPO vs `treepo` vs `trace` at equal rollout budget, with
-  a Markdown + PNG report; every arm starts from the cached warm start of `pretrain_tools`
-  (`--from-scratch`: a random init).
+  environment, on CPU, `uniform` GRPO vs `dapo` vs `treepo` vs `trace` at equal generated
+  trajectories, with a Markdown + PNG report; every arm starts from the config's cached warm
+  start (`--from-scratch`: a random init). `--config demo_headroom_cpu`: the held-out
+  learning-per-trajectory comparison on `synthetic_levels`.
 * `demo credit` — TRACE-C on `synthetic_search` from the cached warm start:
   grpo, grpo+credit, tree, tree+credit at equal budget, 3 seeds, a report.
 * `pretrain [--config NAME|FILE] [key=value ...]` — the cached warm start (an HF
@@ -96,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trace-mega", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser(
-        "demo", parents=[common], help="tiny CPU run: uniform GRPO vs TreePO vs TRACE at equal budget, with a report"
+        "demo",
+        parents=[common],
+        help="tiny CPU run: uniform GRPO vs DAPO vs TreePO vs TRACE at equal budget, with a report",
     )
     p.add_argument("--out", default="runs/demo", help="output directory of the report")
     p.add_argument("--seeds", type=int, default=1, help="seeds per method, run one after the other (default 1)")
@@ -106,8 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pretrain-config",
         default=None,
-        help="warm start's transcript policy (default: pretrain_tools; its env and model are the demo's)",
+        help="warm start's transcript policy (default: the config's own, pretrain_tools for demo_cpu, "
+        "pretrain_levels for demo_headroom_cpu; its env and model are the demo's)",
     )
+    p.add_argument("--methods", default=None, help="comma-separated arms (default: uniform,dapo,treepo,trace)")
     p.add_argument("--from-scratch", action="store_true", help="no warm start: every run starts from a random init")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=5")
     p = sub.add_parser("train", parents=[common], help="train from a config")
@@ -268,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 seeds=args.seeds,
                 pretrain_config_path=args.pretrain_config and resolve_config(args.pretrain_config),
                 from_scratch=args.from_scratch,
+                **({"methods": tuple(m.strip() for m in args.methods.split(","))} if args.methods else {}),
             )
             return 0
         cfg = load_yaml(TrainConfig, config, _eval_overrides(args) if args.cmd == "eval" else args.overrides)

@@ -1,12 +1,24 @@
-"""`trace-mega demo`: the embedded default run, on CPU, in minutes — the paper's three-arm ablation.
+"""`trace-mega demo`: the embedded default run, on CPU — the allocation ablation at equal budget.
 
-Trains the tiny GPT policy of the shipped `demo_cpu` config on the learnable
-`synthetic_tools` environment once per method and seed, every method from the same
-initialisation and seed at equal rollout budget:
+Trains the tiny GPT policy of a shipped demo config (default `demo_cpu`: the learnable
+`synthetic_tools` environment, minutes; `demo_headroom_cpu`: the `synthetic_levels` task
+set with a held-out split, the learning-per-trajectory comparison) once per method and
+seed, every method from the same warm start and seed at equal generated trajectories:
 
 * `uniform` — GRPO: random prompts, flat groups;
+* `dapo` — DAPO dynamic sampling: zero-variance groups dropped, fresh ones drawn until the
+  target or the budget (every generated trajectory counted);
 * `treepo` — tree rollouts with branch points chosen at random;
 * `trace` — predictor-guided root and prefix allocation (with the fallback guard).
+
+Learning per trajectory (`LEARNING_KEYS`, from the periodic held-out evaluation):
+`eval_curve` is [trajectories generated so far, eval reward] at every evaluation;
+`threshold` (top level of `report.json`) is uniform's final eval reward, mean over seeds,
+fixed before any comparison; `trajectories_to_threshold` the trajectories at the first
+evaluation at or above it (null when a seed never reaches it); `eval_auc` the mean eval
+reward over the trajectories (trapezoid area / span) up to the fewest trajectories any arm
+of the seed generated, so every arm is integrated over the same range; `forgetting_max_drop`
+the largest drop of one eval group (a difficulty level) from its best evaluation to the last.
 
 The report (`report.md`, `report.json`, `curves.png` of the first seed, the
 predictor's reliability curve, each run's `metrics.jsonl` under
@@ -33,7 +45,9 @@ from trace_mega.config import TrainConfig, load_yaml
 from trace_mega.resources import resolve_config
 from trace_mega.telemetry import plot_curves, read_metrics
 
-METHODS = ("uniform", "treepo", "trace")
+METHODS = ("uniform", "dapo", "treepo", "trace")
+DEFAULT_PRETRAIN = {"demo_cpu": "pretrain_tools", "demo_headroom_cpu": "pretrain_levels"}
+"""The warm start's transcript policy of each shipped demo config (other configs: `pretrain_tools`)."""
 REPORT_KEYS = (
     "effective_ratio_mean",
     "contrasted_prompts_mean",
@@ -103,6 +117,64 @@ def summarise(rows: list[dict[str, float]], wall_s: float, split: str = "test") 
     }
 
 
+LEARNING_KEYS = (
+    "eval_curve",
+    "trajectories_to_threshold",
+    "tokens_to_threshold",
+    "eval_auc",
+    "eval_reward_final",
+    "forgetting_max_drop",
+    "effective_ratio_mean",
+    "trajectories_per_step",
+)
+
+
+def eval_curve(rows: list[dict[str, float]], split: str = "test", tokens: bool = False) -> list[list[float]]:
+    """[trajectories (or generated tokens) generated up to and including the step, its eval reward] at
+    every step with a held-out evaluation."""
+    spent, curve = 0.0, []
+    for r in rows:
+        spent += r.get("rollout/generated_tokens" if tokens else "alloc/generated_trajectories", 0.0)
+        if f"eval/{split}/reward" in r:
+            curve.append([spent, r[f"eval/{split}/reward"]])
+    return curve
+
+
+def first_reaching(curve: list[list[float]], threshold: float) -> Optional[float]:
+    """x of the first point of `curve` at or above `threshold`; None when none is."""
+    return next((x for x, y in curve if y >= threshold), None)
+
+
+def curve_auc(curve: list[list[float]], x_max: float) -> float:
+    """Mean of the piecewise-linear curve over [its first x, x_max] (trapezoid area / span); the curve is
+    cut (interpolated) at x_max."""
+    pts = [p for p in curve if p[0] <= x_max]
+    nxt = next((p for p in curve if p[0] > x_max), None)
+    if nxt is not None and pts:
+        (x0, y0), (x1, y1) = pts[-1], nxt
+        pts.append([x_max, y0 + (y1 - y0) * (x_max - x0) / (x1 - x0)])
+    if len(pts) < 2:
+        return pts[0][1] if pts else float("nan")
+    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(pts, pts[1:]))
+    return area / (pts[-1][0] - pts[0][0])
+
+
+def forgetting(rows: list[dict[str, float]], split: str = "test") -> dict[str, float]:
+    """Per eval group (`eval/<split>/<group>/mean@n`, a difficulty level): best eval minus the last."""
+    per: dict[str, list[float]] = {}
+    for r in rows:
+        for key, val in r.items():
+            parts = key.split("/")
+            if (
+                len(parts) == 4
+                and parts[:2] == ["eval", split]
+                and parts[3].startswith("mean@")
+                and parts[2] != "macro"
+            ):
+                per.setdefault(parts[2], []).append(val)
+    return {g: max(v) - v[-1] for g, v in sorted(per.items())}
+
+
 def warm_start(base: TrainConfig, pretrain_config_path: Optional[str | Path] = None) -> str:
     """The cached warm-start checkpoint of the demo (trained now if not cached): the transcript policy of
     `pretrain_config_path` (default: the shipped `pretrain_tools`) on the demo's own environment and model."""
@@ -113,6 +185,28 @@ def warm_start(base: TrainConfig, pretrain_config_path: Optional[str | Path] = N
     return str(pretrain(pcfg))
 
 
+def _train(cfg: TrainConfig, run_dir: Path) -> float:
+    """Train one arm (or reuse its finished run: `done.json` with the same config); its wall seconds."""
+    from trace_mega.trainer import Trainer
+
+    done = run_dir / "done.json"
+    want = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    if done.exists():
+        prev = json.loads(done.read_text())
+        if prev["config"] == want:
+            print(f"{run_dir}: finished before with this config, reused")
+            return prev["wall_s"]
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    wall_s = time.perf_counter() - t0
+    done.write_text(json.dumps({"config": want, "wall_s": wall_s}))
+    return wall_s
+
+
 def run_demo(
     out_dir: str | Path = "runs/demo",
     config_path: Optional[str | Path] = None,
@@ -120,25 +214,33 @@ def run_demo(
     seeds: int = 1,
     pretrain_config_path: Optional[str | Path] = None,
     from_scratch: bool = False,
-) -> dict[str, dict[str, float]]:
-    """Run every method of `METHODS` on seeds base.seed .. base.seed + seeds - 1 (one run at a time)
-    and write the report; returns {method: {REPORT_KEYS: mean over seeds}}. Every run starts from the warm
-    start (`warm_start`) unless `from_scratch` or the config names its own `model.hf_checkpoint`."""
-    from trace_mega.trainer import Trainer
-
+    methods: tuple[str, ...] = METHODS,
+) -> dict[str, dict]:
+    """Run `methods` on seeds base.seed .. base.seed + seeds - 1 (one run at a time; a run finished before
+    with the same config is reused) and write the report; returns {method: {REPORT_KEYS: mean over seeds,
+    LEARNING_KEYS}}. Every run starts from the warm start (`warm_start`; the config's `DEFAULT_PRETRAIN`)
+    unless `from_scratch` or the config names its own `model.hf_checkpoint`."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"unknown demo methods {unknown or methods}; valid: {', '.join(METHODS)}")
     out = Path(out_dir)
-    base = load_yaml(TrainConfig, config_path or resolve_config("demo_cpu"), overrides)
+    config_path = config_path or resolve_config("demo_cpu")
+    base = load_yaml(TrainConfig, config_path, overrides)
     if not from_scratch and base.model.hf_checkpoint is None:
+        pretrain_config_path = pretrain_config_path or resolve_config(
+            DEFAULT_PRETRAIN.get(Path(config_path).stem, "pretrain_tools")
+        )
         base = dataclasses.replace(
             base, model=dataclasses.replace(base.model, hf_checkpoint=warm_start(base, pretrain_config_path))
         )
-    per_seed: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
-    first_runs: dict[str, list[dict[str, float]]] = {}
+    split = base.eval.split
+    per_seed: dict[str, list[dict]] = {m: [] for m in methods}
+    runs: dict[str, list[list[dict[str, float]]]] = {m: [] for m in methods}
     collapses: list[str] = []
     for k in range(seeds):
-        for method in METHODS:
+        for method in methods:
             run_dir = out / method / f"seed{base.seed + k}"
             cfg = dataclasses.replace(
                 base,
@@ -147,42 +249,142 @@ def run_demo(
                 telemetry=dataclasses.replace(base.telemetry, out_dir=str(run_dir)),
                 checkpoint=dataclasses.replace(base.checkpoint, dir=None),
             )
-            t0 = time.perf_counter()
-            trainer = Trainer(cfg)
-            try:
-                trainer.train()
-            finally:
-                trainer.close()
+            wall_s = _train(cfg, run_dir)
             rows = read_metrics(run_dir / "metrics.jsonl")
-            per_seed[method].append(summarise(rows, time.perf_counter() - t0, split=cfg.eval.split))
+            per_seed[method].append(summarise(rows, wall_s, split=split))
+            runs[method].append(rows)
             if collapsed(rows):
                 collapses.append(f"{method} seed {cfg.seed}")
-            if k == 0:
-                first_runs[method] = rows
 
     plot_curves(
-        first_runs,
+        {m: r[0] for m, r in runs.items()},
         ["reward/mean", "alloc/effective_ratio", "predictor/skill_smoothed", "alloc/fallback"],
         out / "curves.png",
         title=f"seed {base.seed}, equal budget: {base.allocation.root_rollouts_per_step} root rollouts/step "
         f"x (1 + {base.allocation.continuations_per_rollout}) trajectories",
     )
-    table = {m: {key: statistics.fmean(s[key] for s in runs) for key in REPORT_KEYS} for m, runs in per_seed.items()}
-    (out / "report.json").write_text(json.dumps(table, indent=1))
-    _write_report(out, base, table, per_seed, collapses)
+    table: dict[str, dict] = {
+        m: {key: statistics.fmean(s[key] for s in seeds_) for key in REPORT_KEYS} for m, seeds_ in per_seed.items()
+    }
+    threshold = learning(runs, table, split)
+    if threshold is not None:
+        plot_eval_curves(runs, threshold, out / "eval_curves.png", split)
+    (out / "report.json").write_text(json.dumps({"threshold": threshold, "methods": table}, indent=1))
+    _write_report(out, base, table, per_seed, collapses, threshold)
     return table
 
 
-def _row(name: str, row: dict[str, float]) -> str:
+def learning(runs: dict[str, list[list[dict[str, float]]]], table: dict[str, dict], split: str) -> Optional[float]:
+    """Add `LEARNING_KEYS` to each method's row of `table` (in place); returns the threshold (uniform's
+    final eval reward, mean over seeds; else the first method's), None when no run evaluated."""
+    curves = {m: [eval_curve(r, split) for r in rs] for m, rs in runs.items()}
+    if not all(c for cs in curves.values() for c in cs):
+        return None
+    ref = "uniform" if "uniform" in curves else next(iter(curves))
+    threshold = statistics.fmean(c[-1][1] for c in curves[ref])
+    seeds = len(next(iter(curves.values())))
+    # Every arm of a seed integrated over the same trajectories: up to the fewest any arm generated.
+    spans = [min(cs[k][-1][0] for cs in curves.values()) for k in range(seeds)]
+    for m, cs in curves.items():
+        hits = [first_reaching(c, threshold) for c in cs]
+        tok_curves = [eval_curve(r, split, tokens=True) for r in runs[m]]
+        tok_hits = [first_reaching(c, threshold) for c in tok_curves]
+        drops = [forgetting(r, split) for r in runs[m]]
+        table[m] |= {
+            # mean over seeds of the points of each eval (every seed evaluates at the same steps)
+            "eval_curve": [[statistics.fmean(p) for p in zip(*pts)] for pts in zip(*cs)],
+            "trajectories_to_threshold": None if None in hits else statistics.fmean(hits),
+            "trajectories_to_threshold_per_seed": hits,
+            "tokens_to_threshold": None if None in tok_hits else statistics.fmean(tok_hits),
+            "eval_auc": statistics.fmean(curve_auc(c, spans[k]) for k, c in enumerate(cs)),
+            "eval_auc_per_seed": [curve_auc(c, spans[k]) for k, c in enumerate(cs)],
+            "eval_reward_final_per_seed": [c[-1][1] for c in cs],
+            "forgetting_max_drop": statistics.fmean(max(d.values(), default=0.0) for d in drops),
+            "forgetting_per_group": {g: statistics.fmean(d.get(g, 0.0) for d in drops) for g in drops[0]},
+        }
+    return threshold
+
+
+def plot_eval_curves(
+    runs: dict[str, list[list[dict[str, float]]]], threshold: float, path: Path, split: str = "test"
+) -> Path:
+    """Held-out eval reward against trajectories generated, every seed of every method (one colour per
+    method), with the threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (m, rs) in enumerate(runs.items()):
+        for k, rows in enumerate(rs):
+            pts = eval_curve(rows, split)
+            ax.plot(
+                *zip(*pts),
+                marker="o",
+                ms=3,
+                color=f"C{i % 10}",
+                alpha=1.0 if k == 0 else 0.45,
+                label=m if k == 0 else None,
+            )
+    ax.axhline(threshold, color="k", ls="--", lw=1, label=f"threshold {threshold:.3f}")
+    ax.set(xlabel="trajectories generated", ylabel=f"eval/{split}/reward", title="held-out reward per trajectory")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _row(name: str, row: dict) -> str:
     return f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in REPORT_KEYS) + " |"
+
+
+def _fmt(x) -> str:
+    return "never" if x is None else f"{x:.3f}" if abs(x) < 10 else f"{x:.0f}"
+
+
+def _learning_lines(table: dict[str, dict], threshold: float, split: str) -> list[str]:
+    cols = (
+        "trajectories_to_threshold",
+        "tokens_to_threshold",
+        "eval_auc",
+        "eval_reward_final",
+        "forgetting_max_drop",
+        "effective_ratio_mean",
+        "trajectories_per_step",
+    )
+    lines = [
+        f"Learning per trajectory, held-out split `{split}` (threshold {threshold:.3f}: uniform's final eval "
+        "reward, mean over seeds; `never` when a seed never reached it):",
+        "",
+        "| method | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+        *(f"| {m} | " + " | ".join(_fmt(row[c]) for c in cols) + " |" for m, row in table.items()),
+        "",
+    ]
+    if "uniform" in table and table["uniform"]["trajectories_to_threshold"]:
+        u = table["uniform"]["trajectories_to_threshold"]
+        lines += [
+            ", ".join(
+                f"{m} / uniform trajectories to threshold = {_fmt(row['trajectories_to_threshold'] and row['trajectories_to_threshold'] / u)}"
+                for m, row in table.items()
+                if m != "uniform"
+            ),
+            "",
+        ]
+    return lines + ["![eval curves](eval_curves.png)", ""]
 
 
 def _write_report(
     out: Path,
     cfg: TrainConfig,
-    table: dict[str, dict[str, float]],
-    per_seed: dict[str, list[dict[str, float]]],
+    table: dict[str, dict],
+    per_seed: dict[str, list[dict]],
     collapses: list[str],
+    threshold: Optional[float] = None,
 ) -> None:
     seeds = len(next(iter(per_seed.values())))
     header = ["| method | " + " | ".join(REPORT_KEYS) + " |", "|---|" + "---|" * len(REPORT_KEYS)]
@@ -195,17 +397,15 @@ def _write_report(
         "initialisation. `predictor_skill_mean`: pooled held-out Brier skill of the predictor against the "
         "previous step's mean target (> 0 beats the constant); only trace reads it.",
         "",
-        *header,
-        *(_row(m, row) for m, row in table.items()),
     ]
-    tr, tp, un = (table[m]["effective_ratio_mean"] for m in ("trace", "treepo", "uniform"))
-    lines += [
-        "",
-        f"Effective ratio: trace / treepo = {tr / tp:.2f}x, trace / uniform = {tr / un:.2f}x."
-        if tp > 0 and un > 0
-        else "",
-        "",
-    ]
+    if threshold is not None:
+        lines += _learning_lines(table, threshold, cfg.eval.split)
+    summary_at = len(lines)
+    lines += [*header, *(_row(m, row) for m, row in table.items()), ""]
+    if all(m in table for m in ("trace", "treepo", "uniform")):
+        tr, tp, un = (table[m]["effective_ratio_mean"] for m in ("trace", "treepo", "uniform"))
+        if tp > 0 and un > 0:
+            lines += [f"Effective ratio: trace / treepo = {tr / tp:.2f}x, trace / uniform = {tr / un:.2f}x.", ""]
     lines += [
         f"Collapsed runs (reward 0 at token entropy < 0.1 after reaching reward 0.1): "
         f"{', '.join(collapses) if collapses else 'none'}.",
@@ -225,5 +425,5 @@ def _write_report(
             "",
         ]
     (out / "report.md").write_text("\n".join(lines))
-    print("\n".join(lines[4 : 4 + 2 + len(table) + 4]))
+    print("\n".join(lines[4:summary_at] + lines[summary_at : summary_at + 2 + len(table) + 3]))
     print(f"report: {out / 'report.md'}")

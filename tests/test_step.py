@@ -71,6 +71,20 @@ def test_the_step_layout_is_extended_as_the_trees_grow():
         batch.grow(batch.trees + batch.trees[:1])
 
 
+def test_prefix_candidates_leave_out_prefixes_too_close_to_the_turn_limit():
+    # One bare rollout of 4 turns: intermediate prefixes after turns 1, 2, 3 (depths 1-3).
+    task = Task("t", [])
+    batch = StepBatch.from_prompts(0, [task], [[1, 2]])
+    tree = RolloutTree(task.task_id, [1, 2])
+    tree.add_path(0, [_turn(10), _turn(11), _turn(12), _turn(13)], 1.0)
+    batch.grow([tree])
+    assert [tree.depth(n) for _, n in batch.prefix_candidates().local] == [1, 2, 3]
+    # max_turns 4, min_turns_left 2: a continuation from depth 3 would have one turn, room for an answer only.
+    cand = batch.prefix_candidates(max_depth=4 - 2)
+    assert [tree.depth(n) for _, n in cand.local] == [1, 2] and cand.node.numel() == cand.group.numel() == 2
+    assert batch.prefix_candidates(max_depth=0).node.numel() == 0
+
+
 def test_predictor_fits_on_the_update_share_of_the_step():
     tasks = [Task("a", []), Task("b", [])]
     batch = StepBatch.from_prompts(0, tasks, [[1, 2], [3]])
@@ -140,6 +154,7 @@ def _trainer_run(out_dir: Path, run: str) -> list[dict]:
         return out
 
     def recorded_expand(trees, points, seed):
+        sizes["branch_depths"] = [trees[t].depth(n) for t, n, _ in points if n != 0]  # 0: fresh root rollouts
         final[:] = expand(trees, points, seed)
         sizes["final"] = fresh_pack(final).num_tokens
         sizes["roots"] = sum(len(t.nodes[0].token_ids) for t in final)
@@ -201,6 +216,8 @@ def test_policy_forwards_per_step_and_the_fallback_guard(tmp_path):
             # The learner forwards every final token once, with grad; the predictor fits on those
             # hidden states, so no final-tree forward without grad is left.
             assert s["grad"] == s["final"]
+            # No branch point with fewer than allocation.min_turns_left (2) of the 4 turns left.
+            assert all(d <= 4 - 2 for d in s["branch_depths"])
             if s["fallback"]:  # treepo reads no prediction: no forward for the predictor at all
                 assert s["no_grad"] == 0 and s["tag"].startswith("[treepo]")
             else:  # the prompts (all candidates) once, then the bare trees of the prompts given rollouts

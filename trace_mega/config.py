@@ -57,6 +57,12 @@ class AllocationConfig:
     """N: mean continuation slots per bare rollout (prefix budget of prompt i is m_i * N)."""
     continuations_per_prefix_max: Optional[int] = None
     """Cap on continuations branched from one prefix (None: no cap)."""
+    min_turns_left: int = 2
+    """Branch only from prefixes with at least this many of `rollout.max_turns` left (1: every prefix).
+    A continuation with one turn left can only answer (a tool call is cut at the turn limit), so its
+    contrast teaches "answer now" at a state the policy cannot tell from one with turns to spare
+    (docs/allocation.md "Branch points near the turn limit"). Budget no prefix can take goes to
+    fresh rollouts from the root."""
     predictor_fallback: bool = True
     """When the predictor's smoothed held-out skill is below `fallback_skill_threshold`, the next
     step uses the allocator's predictor-free counterpart (trace, trace_global -> treepo; pcl ->
@@ -84,6 +90,7 @@ class AllocationConfig:
         require(self.root_rollouts_per_step != 1, "root_rollouts_per_step", "1 is infeasible (m_i is never 1)")
         require(self.rollouts_per_prompt_max >= 2, "rollouts_per_prompt_max", "must be >= 2")
         require(self.group_size >= 2, "group_size", "must be >= 2 (a lone rollout has no contrast)")
+        require(self.min_turns_left >= 1, "min_turns_left", "must be >= 1 (1: every prefix is a branch point)")
         require(
             2 <= self.rollouts_per_prompt_min <= self.rollouts_per_prompt_max,
             "rollouts_per_prompt_min",

@@ -95,12 +95,14 @@ class StepBatch:
         self.prompt_index = self.prompt_index[torch.tensor(keep, dtype=torch.long)]
         self.packed = extend(base, self.trees)
 
-    def prefix_candidates(self) -> PrefixCandidates:
-        """Non-root, non-terminal nodes of the bare trees (each lies on exactly one bare rollout)."""
+    def prefix_candidates(self, max_depth: Optional[int] = None) -> PrefixCandidates:
+        """Non-root, non-terminal nodes of the bare trees (each lies on exactly one bare rollout), at most
+        `max_depth` turns deep (None: any; the trainer passes rollout.max_turns - allocation.min_turns_left)."""
         p = self.packed
         is_leaf = torch.zeros(p.num_nodes, dtype=torch.bool)
         is_leaf[p.leaf_nodes] = True
-        node = torch.nonzero((p.node_parent >= 0) & ~is_leaf).flatten()
+        shallow = p.node_depth <= (max_depth if max_depth is not None else p.num_nodes)
+        node = torch.nonzero((p.node_parent >= 0) & ~is_leaf & shallow).flatten()
         # In a bare tree a non-root node has exactly one terminal descendant.
         r = p.node_reward_sum[node] / p.node_leaf_count[node].clamp(min=1)
         return PrefixCandidates(

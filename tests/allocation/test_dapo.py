@@ -168,9 +168,20 @@ def test_a_step_keeps_at_least_min_trees_groups_padding_with_uncontrasted_ones_i
     batch, m, keep, metrics = _step(kinds, _dapo(kinds, 2, 2, 2))
     assert keep == [0] and metrics["alloc/kept_groups"] == 0 and metrics["alloc/dapo_rounds"] == 2
     kinds = "1 mix 0 0 1 1".split()  # one contrasted group, three trees for three data-parallel ranks
-    batch, m, keep, metrics = _step(kinds, _dapo(kinds, 2, 2, 2, min_trees=3))
-    assert keep == [0, 1, 2] and metrics["alloc/kept_groups"] == 1 and int(m.sum()) == 16
+    batch, m, keep, metrics = _step(kinds, _dapo(kinds, 2, 3, 2, min_trees=3))
+    assert keep == [0, 1, 2] and metrics["alloc/kept_groups"] == 1 and int(m.sum()) == 24
     assert [t.leaf_rewards() for t in batch.trees] == [REWARDS["1"], REWARDS["mix"], REWARDS["0"]]
+
+
+def test_a_plan_that_could_leave_a_data_parallel_rank_without_a_tree_fails_at_construction():
+    kinds = "1 mix 0 0 1 1".split()
+    with pytest.raises(ValueError, match="only 2 prompts .* fewer than the 3 data-parallel ranks"):
+        _dapo(kinds, 2, 2, 2, min_trees=3)  # a first round of 2 groups can reach the target of 2 and stop
+    base = dict(prompts_per_step=64, root_rollouts_per_step=64, rollouts_per_prompt_max=8, group_size=4)
+    for name, fewest in (("uniform", 32), ("pcl", 32), ("treepo", 16), ("trace", 8), ("trace_global", 8)):
+        assert build_allocator(AllocationConfig(name=name, **base), min_trees=fewest).fewest_trees() == fewest
+        with pytest.raises(ValueError, match=f"allocation.name={name}: a step may serve only {fewest} prompts"):
+            build_allocator(AllocationConfig(name=name, **base), min_trees=fewest + 1)
 
 
 @pytest.mark.parametrize("seed", range(40))

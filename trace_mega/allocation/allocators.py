@@ -161,6 +161,14 @@ class Allocator:
         self.continuation_budget = int(round(cfg.root_rollouts_per_step * cfg.continuations_per_rollout))
         self.trajectories_per_step = self.root_budget + self.continuation_budget
         self._invalid: list[torch.Tensor] = []
+        if self.fewest_trees() < min_trees:
+            raise ValueError(
+                f"allocation.name={self.name}: a step may serve only {self.fewest_trees()} prompts "
+                f"(allocation.root_rollouts_per_step={cfg.root_rollouts_per_step}, group_size={cfg.group_size}, "
+                f"rollouts_per_prompt_max={cfg.rollouts_per_prompt_max}, prompts_per_step={cfg.prompts_per_step}), "
+                f"fewer than the {min_trees} data-parallel ranks that each train on a tree; raise "
+                "allocation.root_rollouts_per_step (or lower rollouts_per_prompt_max / group_size)"
+            )
         if self.selection_is_a_no_op() and self.name not in _WARNED:
             _WARNED.add(self.name)
             log.warning(
@@ -173,6 +181,10 @@ class Allocator:
     def selection_is_a_no_op(self) -> bool:
         """Whether the budget covers every candidate prompt (nothing is selected)."""
         return False
+
+    def fewest_trees(self) -> int:
+        """The fewest prompts (trees) a step's plan can serve; the trainer needs one per data-parallel rank."""
+        return 1
 
     # --- predictions --------------------------------------------------------------
     def _clean(self, v: torch.Tensor) -> torch.Tensor:
@@ -249,6 +261,9 @@ class _Flat(Allocator):
 
     def selection_is_a_no_op(self) -> bool:
         return self.trajectories_per_step // self.cfg.group_size >= self.cfg.prompts_per_step
+
+    def fewest_trees(self) -> int:
+        return min(self.cfg.prompts_per_step, self.trajectories_per_step // self.cfg.group_size)
 
     def _order(self, v_root: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
         raise NotImplementedError
@@ -342,6 +357,9 @@ class TreePOAllocator(_Tree):
     def selection_is_a_no_op(self) -> bool:
         return self.root_budget // self.cfg.group_size >= self.cfg.prompts_per_step
 
+    def fewest_trees(self) -> int:
+        return min(self.cfg.prompts_per_step, self.root_budget // self.cfg.group_size)
+
     def plan_roots(self, v_root, generator=None):
         order = torch.argsort(random_keys(v_root.numel(), generator, v_root.device))
         return flat_groups(order, self.root_budget, self.cfg.group_size)
@@ -405,6 +423,9 @@ class TraceAllocator(_Tree):
 
     def selection_is_a_no_op(self) -> bool:
         return self.root_budget >= self.cfg.prompts_per_step * self.cfg.rollouts_per_prompt_max
+
+    def fewest_trees(self) -> int:
+        return -(-self.root_budget // self.cfg.rollouts_per_prompt_max)  # every served prompt at the most
 
     def without_predictor(self) -> Allocator:
         return self._counterpart("treepo")

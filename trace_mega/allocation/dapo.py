@@ -56,6 +56,13 @@ class DapoAllocator(Allocator):
                 self.group_budget,
             )
 
+    def fewest_trees(self) -> int:
+        # The first round draws `per_round` groups; a step keeps at least min_trees of those (plan_keep).
+        groups = self.trajectories_per_step // self.cfg.group_size
+        target = self.cfg.dapo_target_groups if self.cfg.dapo_target_groups is not None else groups
+        per_round = self.cfg.dapo_groups_per_round if self.cfg.dapo_groups_per_round is not None else target
+        return min(self.cfg.prompts_per_step, groups, per_round)
+
     def plan_roots(self, v_root, generator=None):
         self._clean(v_root)  # counted like every allocator's; dapo reads no prediction
         return self._round(torch.zeros(v_root.numel(), dtype=torch.long))

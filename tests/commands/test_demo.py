@@ -53,6 +53,8 @@ def test_demo_writes_the_four_arm_report_over_seeds(tmp_path):
     assert table["dapo"]["trajectories_per_step"] <= 24  # generated, dropped groups included
     # the threshold is uniform's final held-out eval reward, mean over the seeds
     assert out["threshold"] == pytest.approx(sum(table["uniform"]["eval_reward_final_per_seed"]) / 2)
+    # on the seed-mean curve uniform reaches its own mean final, at its last evaluation at the latest
+    assert table["uniform"]["trajectories_to_threshold"] <= table["uniform"]["eval_curve"][-1][0] == 48.0
     for row in table.values():
         assert [x for x, _ in row["eval_curve"]] == [24.0, 48.0] or row is table["dapo"]  # evals at steps 1, 2
         assert row["eval_reward_final"] == pytest.approx(sum(row["eval_reward_final_per_seed"]) / 2)

@@ -15,7 +15,7 @@ Learning per trajectory (`LEARNING_KEYS`, from the periodic held-out evaluation)
 `eval_curve` is [trajectories generated so far, eval reward] at every evaluation;
 `threshold` (top level of `report.json`) is uniform's final eval reward, mean over seeds,
 fixed before any comparison; `trajectories_to_threshold` the trajectories at the first
-evaluation at or above it (null when a seed never reaches it); `eval_auc` the mean eval
+evaluation of the seed-mean curve at or above it (null when never; per seed beside it); `eval_auc` the mean eval
 reward over the trajectories (trapezoid area / span) up to the fewest trajectories any arm
 of the seed generated, so every arm is integrated over the same range; `forgetting_max_drop`
 the largest drop of one eval group (a difficulty level) from its best evaluation to the last.
@@ -274,6 +274,11 @@ def run_demo(
     return table
 
 
+def _mean_curve(curves: list[list[list[float]]]) -> list[list[float]]:
+    """Point-wise mean over seeds of curves evaluated at the same steps (x and y both averaged)."""
+    return [[statistics.fmean(p) for p in zip(*pts)] for pts in zip(*curves)]
+
+
 def learning(runs: dict[str, list[list[dict[str, float]]]], table: dict[str, dict], split: str) -> Optional[float]:
     """Add `LEARNING_KEYS` to each method's row of `table` (in place); returns the threshold (uniform's
     final eval reward, mean over seeds; else the first method's), None when no run evaluated."""
@@ -286,16 +291,16 @@ def learning(runs: dict[str, list[list[dict[str, float]]]], table: dict[str, dic
     # Every arm of a seed integrated over the same trajectories: up to the fewest any arm generated.
     spans = [min(cs[k][-1][0] for cs in curves.values()) for k in range(seeds)]
     for m, cs in curves.items():
-        hits = [first_reaching(c, threshold) for c in cs]
+        mean_curve = _mean_curve(cs)
         tok_curves = [eval_curve(r, split, tokens=True) for r in runs[m]]
-        tok_hits = [first_reaching(c, threshold) for c in tok_curves]
         drops = [forgetting(r, split) for r in runs[m]]
         table[m] |= {
-            # mean over seeds of the points of each eval (every seed evaluates at the same steps)
-            "eval_curve": [[statistics.fmean(p) for p in zip(*pts)] for pts in zip(*cs)],
-            "trajectories_to_threshold": None if None in hits else statistics.fmean(hits),
-            "trajectories_to_threshold_per_seed": hits,
-            "tokens_to_threshold": None if None in tok_hits else statistics.fmean(tok_hits),
+            "eval_curve": mean_curve,
+            # On the seed-mean curve (so uniform reaches its own mean final at its last evaluation at
+            # the latest); the per-seed values beside it (a seed may end below the mean: null).
+            "trajectories_to_threshold": first_reaching(mean_curve, threshold),
+            "trajectories_to_threshold_per_seed": [first_reaching(c, threshold) for c in cs],
+            "tokens_to_threshold": first_reaching(_mean_curve(tok_curves), threshold),
             "eval_auc": statistics.fmean(curve_auc(c, spans[k]) for k, c in enumerate(cs)),
             "eval_auc_per_seed": [curve_auc(c, spans[k]) for k, c in enumerate(cs)],
             "eval_reward_final_per_seed": [c[-1][1] for c in cs],
@@ -358,7 +363,7 @@ def _learning_lines(table: dict[str, dict], threshold: float, split: str) -> lis
     )
     lines = [
         f"Learning per trajectory, held-out split `{split}` (threshold {threshold:.3f}: uniform's final eval "
-        "reward, mean over seeds; `never` when a seed never reached it):",
+        "reward, mean over seeds; trajectories to it on the seed-mean curve, `never` when it stays below):",
         "",
         "| method | " + " | ".join(cols) + " |",
         "|---|" + "---|" * len(cols),

@@ -58,11 +58,9 @@ class AllocationConfig:
     continuations_per_prefix_max: Optional[int] = None
     """Cap on continuations branched from one prefix (None: no cap)."""
     min_turns_left: int = 2
-    """Branch only from prefixes with at least this many of `rollout.max_turns` left (1: every prefix).
-    A continuation with one turn left can only answer (a tool call is cut at the turn limit), so its
-    contrast teaches "answer now" at a state the policy cannot tell from one with turns to spare
-    (docs/allocation.md "Branch points near the turn limit"). Budget no prefix can take goes to
-    fresh rollouts from the root."""
+    """Branch only from prefixes with at least this many of `rollout.max_turns` left (1: every prefix); with
+    one left a continuation can only answer, teaching "answer now" (docs/allocation.md "Branch points near
+    the turn limit")."""
     predictor_fallback: bool = True
     """When the predictor's smoothed held-out skill is below `fallback_skill_threshold`, the next
     step uses the allocator's predictor-free counterpart (trace, trace_global -> treepo; pcl ->

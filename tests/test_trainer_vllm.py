@@ -137,27 +137,18 @@ def test_moe_demo_trains_on_vllm_with_replay_off_and_refuses_replay_at_start(tmp
         "telemetry.tensorboard=false",
         "telemetry.progress_bars=false",
     ]
+
+    def train(replay: str):
+        cmd = [*base, f"model.moe_routing_replay={replay}", f"telemetry.out_dir={tmp_path / replay}"]
+        return subprocess.run(cmd, cwd=ROOT, env=_vllm_env(), capture_output=True, text=True, timeout=900)
+
     out = tmp_path / "none"
-    proc = subprocess.run(
-        [*base, "model.moe_routing_replay=none", f"telemetry.out_dir={out}"],
-        cwd=ROOT,
-        env=_vllm_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = train("none")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and all(r["rollout/generated_tokens"] > 0 for r in rows)
     assert all(r["loss/logprob_mismatch"] < 1e-5 for r in rows), [r["loss/logprob_mismatch"] for r in rows]
     assert not any(k.startswith("moe/replay") for r in rows for k in r)  # nothing replayed
-    refused = subprocess.run(
-        [*base, "model.moe_routing_replay=rollout", f"telemetry.out_dir={tmp_path / 'rollout'}"],
-        cwd=ROOT,
-        env=_vllm_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    refused = train("rollout")
     assert refused.returncode != 0 and "model.moe_routing_replay" in refused.stdout + refused.stderr
     assert not (tmp_path / "rollout" / "metrics.jsonl").exists()

@@ -47,10 +47,9 @@ class AllocationConfig:
     rollouts_per_prompt_max: int = 8
     """M_max: the most bare rollouts one prompt may get (m_i in {0} ∪ {rollouts_per_prompt_min..M_max})."""
     rollouts_per_prompt_min: int = 2
-    """trace / trace_global: the smallest group, m_i in {0} ∪ {min..M_max}. 2 is the paper's
-    (design.md §3.2); `group_size` gives no group fewer rollouts than the baselines' (an exact
-    DP then solves the root allocation; docs/allocation.md "The root head and a
-    minimum group")."""
+    """trace / trace_global: the smallest group, m_i in {0} ∪ {min..M_max}. 2 is the paper's (design.md §3.2);
+    `group_size` gives no group fewer rollouts than the baselines' (an exact DP then solves the root
+    allocation; docs/allocation.md "The root head and a minimum group")."""
     group_size: int = 4
     """Fixed group size used by uniform / pcl / treepo (budget / group_size prompts are active)."""
     continuations_per_rollout: float = 1.0
@@ -58,9 +57,8 @@ class AllocationConfig:
     continuations_per_prefix_max: Optional[int] = None
     """Cap on continuations branched from one prefix (None: no cap)."""
     min_turns_left: int = 2
-    """Branch only from prefixes with at least this many of `rollout.max_turns` left (1: every prefix); with
-    one left a continuation can only answer, teaching "answer now" (docs/allocation.md "Branch points near
-    the turn limit")."""
+    """Branch only from prefixes with at least this many of `rollout.max_turns` left (1: every prefix); one
+    left can only answer (docs/allocation.md "Branch points near the turn limit")."""
     predictor_fallback: bool = True
     """When the predictor's smoothed held-out skill is below `fallback_skill_threshold`, the next
     step uses the allocator's predictor-free counterpart (trace, trace_global -> treepo; pcl ->

@@ -352,15 +352,7 @@ def _fmt(x) -> str:
 
 
 def _learning_lines(table: dict[str, dict], threshold: float, split: str) -> list[str]:
-    cols = (
-        "trajectories_to_threshold",
-        "tokens_to_threshold",
-        "eval_auc",
-        "eval_reward_final",
-        "forgetting_max_drop",
-        "effective_ratio_mean",
-        "trajectories_per_step",
-    )
+    cols = LEARNING_KEYS[1:]  # every learning key but the curve itself
     lines = [
         f"Learning per trajectory, held-out split `{split}` (threshold {threshold:.3f}: uniform's final eval "
         "reward, mean over seeds; trajectories to it on the seed-mean curve, `never` when it stays below):",
@@ -370,16 +362,11 @@ def _learning_lines(table: dict[str, dict], threshold: float, split: str) -> lis
         *(f"| {m} | " + " | ".join(_fmt(row[c]) for c in cols) + " |" for m, row in table.items()),
         "",
     ]
-    if "uniform" in table and table["uniform"]["trajectories_to_threshold"]:
-        u = table["uniform"]["trajectories_to_threshold"]
-        lines += [
-            ", ".join(
-                f"{m} / uniform trajectories to threshold = {_fmt(row['trajectories_to_threshold'] and row['trajectories_to_threshold'] / u)}"
-                for m, row in table.items()
-                if m != "uniform"
-            ),
-            "",
-        ]
+    u = table.get("uniform", {}).get("trajectories_to_threshold")
+    if u:
+        ratios = {m: row["trajectories_to_threshold"] for m, row in table.items() if m != "uniform"}
+        text = (f"{m} / uniform trajectories to threshold = {_fmt(t and t / u)}" for m, t in ratios.items())
+        lines += [", ".join(text), ""]
     return lines + ["![eval curves](eval_curves.png)", ""]
 
 

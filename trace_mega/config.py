@@ -288,6 +288,9 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks."""
     micro_batch_tokens: int = 4096
     """Packed tokens per micro-batch."""
+    recompute_activations: bool = False
+    """Keep only each layer's input for backward and recompute the layer there (megatron's full
+    recompute, one layer per checkpoint): activation memory of one layer instead of all."""
     collective_timeout_s: float = 1800.0
     """Timeout of the process group's collectives: a rank that never reaches one (a hung engine or
     tool on another replica) fails the step after this long instead of waiting forever."""

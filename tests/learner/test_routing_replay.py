@@ -45,12 +45,14 @@ def hf_dir(tmp_path_factory):
     return path
 
 
-def _run(hf_dir, tmp_path, tp: int, ep: int, pp: int, noise: float, micro_batch_tokens: int = 4096) -> dict:
-    out = tmp_path / f"tp{tp}_ep{ep}_pp{pp}_n{noise}.json"
+def _run(
+    hf_dir, tmp_path, tp: int, ep: int, pp: int, noise: float, micro_batch_tokens: int = 4096, recompute: bool = False
+) -> dict:
+    out = tmp_path / f"tp{tp}_ep{ep}_pp{pp}_n{noise}_r{int(recompute)}.json"
     # EP shards the experts over data-parallel ranks: tp * pp * ep processes give DP = EP.
-    args = [str(hf_dir), str(out), str(tp), str(ep), str(pp), str(noise), str(micro_batch_tokens)]
+    args = [str(hf_dir), str(out), str(tp), str(ep), str(pp), str(noise), str(micro_batch_tokens), str(int(recompute))]
     torchrun("routing_replay_worker.py", tp * ep * pp, args, timeout=400)
-    return read_json(out)
+    return read_json(out) | {"weights": torch.load(f"{out}.rank0.pt")}
 
 
 def _check_replay(res: dict) -> None:
@@ -68,6 +70,22 @@ def _check_replay(res: dict) -> None:
 
 def test_replay_reproduces_the_engines_routing(hf_dir, tmp_path):
     _check_replay(_run(hf_dir, tmp_path, 1, 1, 1, noise=1.0))
+
+
+@pytest.mark.parametrize("pp,micro", [(1, 4096), pytest.param(2, 24, marks=pytest.mark.slow)])
+def test_replay_holds_in_the_backward_recompute(hf_dir, tmp_path, pp, micro):
+    """Under activation recompute megatron runs every layer's forward again in backward, outside
+    the forward's replay: the recompute must take the engine's routes too, or the update is the
+    gradient of other experts than the loss's (0.3-0.6 of the routes differ at this noise). PP = 2
+    with 24-token micro-batches: many micro-batches under 1F1B, whose recomputes pair with their
+    forwards in order."""
+    plain = _run(hf_dir, tmp_path, 1, 1, pp, noise=1.0, micro_batch_tokens=micro)
+    recomputed = _run(hf_dir, tmp_path, 1, 1, pp, noise=1.0, micro_batch_tokens=micro, recompute=True)
+    assert plain["weights"].keys() == recomputed["weights"].keys()
+    for name, w in plain["weights"].items():
+        assert torch.allclose(recomputed["weights"][name], w, rtol=0, atol=1e-6), name
+    _check_replay(recomputed)  # the metrics count the recompute's routes once per loss forward
+    assert recomputed["metrics"]["moe/replayed_tokens"] == plain["metrics"]["moe/replayed_tokens"]
 
 
 def test_unperturbed_engine_routes_agree_with_the_learners(hf_dir, tmp_path):
@@ -135,3 +153,17 @@ def test_plan_counts_the_replay_buffers():
     assert on.peaks(engine_sleeps=True)["train"] - off.peaks(engine_sleeps=True)["train"] == on.routing_replay
     assert plan_memory(load_yaml(TrainConfig, demo, [])).routing_replay == 0.0
     assert "MoE routing replay" in format_plan(load_yaml(TrainConfig, demo, moe), on)
+    # The step's routes in each process's host memory: 32 roots + 32 continuations on one replica
+    # (TP 2 x PP 2: one engine over the 4 GPUs), 256 tokens each, 4 layers x 2 slots of int16.
+    assert on.host_routes == 64 * 256 * 4 * 2 * 2 and off.host_routes == 0.0
+    assert "MoE routes" in format_plan(load_yaml(TrainConfig, demo, moe), on)
+    # vLLM's capture buffer (int32, 16384 batched tokens x 4 layers x 2) comes out of the KV cache.
+    vllm = plan_memory(load_yaml(TrainConfig, demo, [*moe, "rollout.engine=vllm"]))
+    assert on.engine_routing == 0.0 and vllm.engine_routing == 16384 * 4 * 2 * 4
+    assert on.engine_kv - vllm.engine_kv == vllm.engine_routing
+    # Recompute keeps each local layer's (split) input for both in-flight micro-batches plus one layer,
+    # and the replay targets of both micro-batches until their backward.
+    rec = plan_memory(load_yaml(TrainConfig, demo, [*moe, "parallel.recompute_activations=true"]))
+    assert rec.activations < on.activations
+    assert rec.activations == 1024 * 4 * 64 / 2 * 2 * 2 + on.activations / (2 * 2)
+    assert rec.routing_replay == 2 * on.routing_replay

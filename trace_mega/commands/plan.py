@@ -14,12 +14,17 @@ way the learner shards them (docs/learner.md):
   parameters are not fp32, sharded over data-parallel ranks (experts: over
   expert-data-parallel ranks) under the distributed optimizer;
 * activations: one packed micro-batch of `parallel.micro_batch_tokens` tokens
-  per layer, without recomputation, the attention scores never materialised
-  (tree / flash attention), times the micro-batches a 1F1B pipeline keeps in
-  flight on stage 0 (PP of them); the vocab-parallel logits and their fp32
-  gradient; with MoE routing replay (`model.moe_routing_replay: rollout`) the replayed experts of
-  one micro-batch, int64 per token, local layer and top-k slot (the step's routes wait in host
-  memory as int16);
+  per layer, the attention scores never materialised (tree / flash attention),
+  times the micro-batches a 1F1B pipeline keeps in flight on stage 0 (PP of
+  them); under `parallel.recompute_activations` only each layer's input of
+  those, plus one layer's full activations while it is recomputed; the
+  vocab-parallel logits and their fp32 gradient;
+* MoE routing replay (`model.moe_routing_replay: rollout`): the replayed experts of one
+  micro-batch, int64 per token, local layer and top-k slot, in the training peak (under recompute
+  a copy waits for each micro-batch in flight); the engine's capture buffer, int32 for each of
+  vLLM's batched tokens (16,384 for the offline `LLM` on an H100 or H200), layer and slot, out
+  of its KV cache; and in each process's host memory, not on the GPU, the step's routes as int16
+  per token (at most its replica's share of the step's trajectories at `rollout.max_total_tokens`);
 * engine (one vLLM replica per `rollout.tensor_parallel_size` GPUs): the full
   weights split over the replica, and `rollout.gpu_memory_utilization` of the
   GPU for weights + working memory + KV cache (what vLLM reserves);
@@ -46,6 +51,9 @@ __all__ = ["MemoryPlan", "ParamCounts", "count_params", "plan_memory", "model_fo
 
 GIB = 1024**3
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# vLLM's default `max_num_batched_tokens` for the offline `LLM` class on an H100 or H200 (>= 70 GiB, not A100)
+# (`EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`); its routing capture buffer has one row per token.
+_VLLM_BATCHED_TOKENS = 16384
 CARDS = Path(__file__).resolve().parents[1] / "data" / "hf_configs"
 
 
@@ -136,7 +144,12 @@ class MemoryPlan:
     gpu_memory: float
     errors: list[str]
     routing_replay: float = 0.0
-    """MoE routing replay: one micro-batch's replayed experts on the device."""
+    """MoE routing replay: the replayed experts of the micro-batches on the device."""
+    engine_routing: float = 0.0
+    """MoE routing capture: the engine's buffer of its batched tokens' experts (inside its reservation)."""
+    host_routes: float = 0.0
+    """MoE routing replay: a step's routes in each process's host memory (every rank of a replica
+    holds the replica's trees), not GPU memory."""
 
     @property
     def learner_resident(self) -> float:
@@ -210,16 +223,27 @@ def plan_memory(cfg: TrainConfig, model: Optional[ModelConfig] = None) -> Memory
     if tp > 1 and not (par.sequence_parallel or m.num_experts):
         per_token_layer += (tp - 1) / tp * wb * 4 * h  # norms and residuals replicated without SP
     tokens = par.micro_batch_tokens
-    activations = tokens * per_token_layer * layers * pp
+    if par.recompute_activations:  # each layer's input (split under SP) kept; one layer recomputed at a time
+        sp = tp if (par.sequence_parallel or m.num_experts) else 1
+        activations = tokens * wb * h / sp * layers * pp + tokens * per_token_layer
+    else:
+        activations = tokens * per_token_layer * layers * pp
     logits = tokens * (vocab_pad // tp) * (wb + 4)
-    # R3: a forward's replay targets, (tokens[/tp under SP], local layers, top-k) int64.
+    # R3: a forward's replay targets, (tokens[/tp under SP], local layers, top-k) int64; recompute
+    # keeps them until each in-flight micro-batch's backward.
     replays = bool(m.num_experts) and cfg.model.moe_routing_replay == "rollout"
-    routing = tokens / tp * layers * m.moe_router_topk * 8 if replays else 0.0
+    in_flight = pp if par.recompute_activations else 1
+    routing = tokens / tp * layers * m.moe_router_topk * 8 * in_flight if replays else 0.0
+    routes_per_token = m.num_layers * m.moe_router_topk if replays else 0
+    engine_routing = _VLLM_BATCHED_TOKENS * routes_per_token * 4 if ro.engine == "vllm" else 0
+    a = cfg.allocation
+    trajectories = a.root_rollouts_per_step * (1 + a.continuations_per_rollout)
+    host_routes = trajectories / (world // rtp) * ro.max_total_tokens * routes_per_token * 2
 
     gpu = cl.gpu_memory_gib * GIB
     engine_weights = c.total * wb / rtp
     engine_reserved = ro.gpu_memory_utilization * gpu
-    engine_kv = engine_reserved - engine_weights - cl.engine_working_memory_gib * GIB
+    engine_kv = engine_reserved - engine_weights - cl.engine_working_memory_gib * GIB - engine_routing
     kv_per_token = 2 * m.num_layers * max(1, m.num_query_groups // rtp) * m.head_dim * wb
     kv_tokens = max(0, int(engine_kv // kv_per_token))
 
@@ -241,6 +265,8 @@ def plan_memory(cfg: TrainConfig, model: Optional[ModelConfig] = None) -> Memory
         gpu_memory=gpu,
         errors=errors,
         routing_replay=routing,
+        engine_routing=engine_routing,
+        host_routes=host_routes,
     )
     g = lambda x: f"{x / GIB:.1f} GiB"  # noqa: E731
     if engine_kv < ro.max_total_tokens * kv_per_token:
@@ -268,16 +294,22 @@ def plan_memory(cfg: TrainConfig, model: Optional[ModelConfig] = None) -> Memory
 
 def format_plan(cfg: TrainConfig, plan: MemoryPlan) -> str:
     """A Markdown table of the plan (GiB per GPU) and its verdict."""
-    g = lambda x: f"{x / GIB:.1f}"  # noqa: E731
+    g = lambda x: f"{x / GIB:.2f}"  # noqa: E731
     lay = plan.layout
     sleep, awake = plan.peaks(engine_sleeps=True), plan.peaks(engine_sleeps=False)
     rows = [
         ("learner weights", plan.learner_weights),
         ("gradients (fp32 buffers)", plan.learner_grads),
         ("optimizer state", plan.optimizer_state),
-        ("activations (one micro-batch)", plan.activations),
+        (
+            "activations (recomputed layers)"
+            if cfg.parallel.recompute_activations
+            else "activations (one micro-batch)",
+            plan.activations,
+        ),
         ("logits + grad", plan.logits),
-        ("MoE routing replay (one micro-batch)", plan.routing_replay),
+        ("MoE routing replay (micro-batches in flight)", plan.routing_replay),
+        ("engine's MoE routing capture", plan.engine_routing),
         ("engine weights", plan.engine_weights),
         ("engine KV cache", max(plan.engine_kv, 0.0)),
         ("engine reservation (util x GPU)", plan.engine_reserved),
@@ -298,6 +330,8 @@ def format_plan(cfg: TrainConfig, plan: MemoryPlan) -> str:
         f"({plan.kv_tokens // max(cfg.rollout.max_total_tokens, 1)} trajectories at "
         f"rollout.max_total_tokens={cfg.rollout.max_total_tokens})."
     )
+    if plan.host_routes:
+        lines.append(f"Host memory per process for a step's MoE routes (int16): at most {g(plan.host_routes)} GiB.")
     lines.append("fits" if not plan.errors else "does NOT fit:\n" + "\n".join(f"- {e}" for e in plan.errors))
     return "\n".join(lines)
 

@@ -133,6 +133,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, device: tor
             # Experts are sharded by EP only, never by TP (megatron's "parallel folding").
             expert_tensor_parallel_size=1,
         )
+    if parallel.recompute_activations:  # every layer: routing replay queues one recompute per layer
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     tp = parallel.tensor_model_parallel_size
     return TransformerConfig(
         num_layers=model.num_layers,

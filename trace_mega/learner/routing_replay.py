@@ -19,20 +19,28 @@ implements the same hook.
   the host (the whole model's layers; `NO_ROUTE` rows route on their own: tokens the engine never
   fed, padding). Each layer gets its slice in the router's token order: the layer sees [S/tp, B]
   tokens, this TP rank's contiguous sequence block under sequence parallelism, else all S.
-* `RouteReplay` counts, in grad-enabled forwards (the loss's), the token-layer routes replayed and
-  those where the policy's own top-k would have picked the same experts; `take_metrics` reduces
-  them over all ranks: `moe/replay_agreement`, `moe/replayed_tokens`.
-No activation recompute is configured in this trainer, so no replay is needed in the backward.
+* Activation recompute (`parallel.recompute_activations`): megatron runs each layer's forward
+  again in backward, outside `replaying`. A loss forward therefore also queues each layer's
+  routes, and the router takes the oldest queued routes when it runs inside megatron's checkpoint
+  with grad enabled (the recompute; its first forward runs there under no_grad). Backward visits
+  the micro-batches in forward order under every schedule here (1F1B included), so a FIFO per
+  layer pairs them; `take_metrics` fails if a queued recompute never ran.
+* `RouteReplay` counts, in grad-enabled forwards (the loss's; under recompute, its recompute), the
+  token-layer routes replayed and those where the policy's own top-k would have picked the same
+  experts; `take_metrics` reduces them over all ranks: `moe/replay_agreement`,
+  `moe/replayed_tokens`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.random import is_checkpointing
 
 from trace_mega.rollout.engines.routing import NO_ROUTE
 
@@ -45,6 +53,8 @@ class RouteReplay:
     def __init__(self) -> None:
         self.target: Optional[torch.Tensor] = None
         """(N, k) int64 experts for the router's N tokens of the current forward, or None (own routing)."""
+        self.recomputes: deque[torch.Tensor] = deque()
+        """Targets of loss forwards whose layer megatron recomputes in backward, oldest first."""
         self.agreed = torch.zeros((), dtype=torch.long)
         """Replayed token routes whose expert set equals the router's own top-k (grad-enabled forwards)."""
         self.replayed = torch.zeros((), dtype=torch.long)
@@ -61,14 +71,16 @@ class RouteReplay:
         """(values (N, k), experts (N, k)): the replayed experts where a route is given, the router's
         own top-k elsewhere; values are the router's scores at those experts (differentiable)."""
         own_values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.target is None:
+        target = self.target
+        if target is None and self.recomputes and torch.is_grad_enabled() and is_checkpointing():
+            target = self.recomputes.popleft()  # the backward's recompute of a replayed forward
+        if target is None:
             return own_values, own
-        if self.target.shape != own.shape:
+        if target.shape != own.shape:
             raise RuntimeError(
-                f"routing replay: {tuple(self.target.shape)} routes for a router that sees {tuple(own.shape)} "
+                f"routing replay: {tuple(target.shape)} routes for a router that sees {tuple(own.shape)} "
                 "(the routes are not in the router's token order)"
             )
-        target = self.target
         given = target[:, :1] >= 0  # (N, 1): the engine routed this token
         experts = torch.where(given, target, own)
         if torch.is_grad_enabled():
@@ -114,10 +126,14 @@ def replaying(net: torch.nn.Module, routing: Optional[torch.Tensor], length: int
         tp = net.pg_collection.tp
         block = routes.shape[0] // tp.size()
         routes = routes[tp.rank() * block : (tp.rank() + 1) * block]
+    # A loss forward under full recompute: its backward runs every layer's forward again.
+    recomputed = net.config.recompute_granularity == "full" and net.training and torch.is_grad_enabled()
     try:
         device = next(net.parameters()).device
         for layer, replay in replays.items():  # (S_local, k) int64 (gather's index): B=1, [s, b] flattens to s
             replay.target = routes[:, layer].to(device, torch.long)
+            if recomputed:
+                replay.recomputes.append(replay.target)
         yield
     finally:
         for replay in replays.values():
@@ -134,7 +150,12 @@ def take_metrics(
     sequence blocks, PP stages disjoint layers, DP ranks disjoint trees); resets the counts."""
     counts = torch.zeros(2, dtype=torch.float64, device=device)
     for net in nets:
-        for replay in getattr(net, "route_replays", {}).values():
+        for layer, replay in getattr(net, "route_replays", {}).items():
+            if replay.recomputes:
+                raise RuntimeError(
+                    f"routing replay: layer {layer} kept {len(replay.recomputes)} routes for a backward "
+                    "recompute that never ran (the recompute would have routed on its own)"
+                )
             counts += torch.stack([replay.agreed.to(device), replay.replayed.to(device)]).double()
             replay.agreed, replay.replayed = torch.zeros_like(replay.agreed), torch.zeros_like(replay.replayed)
     if dist.is_initialized():

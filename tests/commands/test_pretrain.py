@@ -72,6 +72,17 @@ def test_config_hash_ignores_only_the_cache_dir():
     assert config_hash(a) == config_hash(load_config(PretrainConfig, {"steps": 5, "cache_dir": "/y"}))
     assert config_hash(a) != config_hash(load_config(PretrainConfig, {"steps": 6}))
     assert config_hash(a) != config_hash(load_config(PretrainConfig, {"steps": 5, "model": {"num_layers": 3}}))
+    recompute = load_config(PretrainConfig, {"steps": 5, "parallel": {"recompute_activations": True}})
+    assert config_hash(a) != config_hash(recompute)
+
+
+def test_config_hash_of_a_shipped_warm_start_is_stable():
+    """A field added with a default that trains as before must not orphan the cached warm starts:
+    the allocation demo's key as of CACHE_VERSION 2 (docs/results/allocation.md cites its directory)."""
+    from trace_mega.config import load_yaml
+    from trace_mega.resources import resolve_config
+
+    assert config_hash(load_yaml(PretrainConfig, resolve_config("pretrain_levels"))) == "60bb2e63e0239452"
 
 
 def _pretrain(cache: Path, *extra):

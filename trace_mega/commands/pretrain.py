@@ -135,6 +135,10 @@ class PretrainConfig:
 CACHE_VERSION = 2
 """Bumped when the transcript format or the training recipe changes (part of the cache key)."""
 
+KEYED_ONLY_OFF_DEFAULT = {("parallel", "recompute_activations"): False}
+"""Fields added after CACHE_VERSION 2 whose default reproduces the earlier training: at that default
+they stay out of the key, so the warm starts cached before them are still found."""
+
 TRANSCRIPT_POLICIES: Registry[type[Engine]] = Registry("transcript policy")
 
 
@@ -245,9 +249,13 @@ class WalkTranscriptEngine(_TranscriptEngine):
 
 
 def config_hash(cfg: PretrainConfig) -> str:
-    """Cache key: sha256 over every field but `cache_dir`, plus `CACHE_VERSION`."""
+    """Cache key: sha256 over every field but `cache_dir` (and `KEYED_ONLY_OFF_DEFAULT` fields at
+    their default), plus `CACHE_VERSION`."""
     data = to_dict(cfg)
     data.pop("cache_dir", None)
+    for (section, name), default in KEYED_ONLY_OFF_DEFAULT.items():
+        if data[section].get(name) == default:
+            del data[section][name]
     blob = json.dumps({"version": CACHE_VERSION, "config": data}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -549,14 +549,9 @@ class EvalConfig:
         require(self.every_steps >= 0, "every_steps", "must be >= 0")
 
     def resolved_ks(self) -> list[int]:
-        """The k values in force, ascending."""
-        if self.ks is not None:
-            return sorted(set(self.ks))
-        n, ks, k = self.samples_per_task, [], 1
-        while k < n:
-            ks.append(k)
-            k *= 2
-        return ks + [n]
+        """The k values in force, ascending: `ks`, else the powers of 2 below n, and n."""
+        n = self.samples_per_task
+        return sorted(set(self.ks)) if self.ks is not None else [1 << i for i in range((n - 1).bit_length())] + [n]
 
 
 @dataclass

@@ -54,6 +54,7 @@ __all__ = [
     "Allocator",
     "ALLOCATORS",
     "build_allocator",
+    "step_trajectories",
     "flat_groups",
     "split_budget",
     "random_keys",
@@ -65,6 +66,11 @@ log = logging.getLogger(__name__)
 ALLOCATORS: Registry[type["Allocator"]] = Registry("allocator")
 
 _WARNED: set[str] = set()
+
+
+def step_trajectories(cfg: AllocationConfig) -> int:
+    """M + round(M * N): the trajectories every allocator generates a step (dapo: at most)."""
+    return cfg.root_rollouts_per_step + int(round(cfg.root_rollouts_per_step * cfg.continuations_per_rollout))
 
 
 def random_keys(n: int, generator: Optional[torch.Generator], device: torch.device) -> torch.Tensor:
@@ -158,8 +164,8 @@ class Allocator:
         self.max_group_size = max_group_size
         self.min_trees = min_trees
         self.root_budget = cfg.root_rollouts_per_step
-        self.continuation_budget = int(round(cfg.root_rollouts_per_step * cfg.continuations_per_rollout))
-        self.trajectories_per_step = self.root_budget + self.continuation_budget
+        self.trajectories_per_step = step_trajectories(cfg)
+        self.continuation_budget = self.trajectories_per_step - self.root_budget
         self._invalid: list[torch.Tensor] = []
         if self.fewest_trees() < min_trees:
             raise ValueError(

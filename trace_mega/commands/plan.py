@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from trace_mega.allocation.allocators import step_trajectories
 from trace_mega.config import ConfigError, ModelConfig, TrainConfig
 
 __all__ = ["MemoryPlan", "ParamCounts", "count_params", "plan_memory", "model_for_plan", "format_plan"]
@@ -236,9 +237,7 @@ def plan_memory(cfg: TrainConfig, model: Optional[ModelConfig] = None) -> Memory
     routing = tokens / tp * layers * m.moe_router_topk * 8 * in_flight if replays else 0.0
     routes_per_token = m.num_layers * m.moe_router_topk if replays else 0
     engine_routing = _VLLM_BATCHED_TOKENS * routes_per_token * 4 if ro.engine == "vllm" else 0
-    a = cfg.allocation
-    trajectories = a.root_rollouts_per_step * (1 + a.continuations_per_rollout)
-    host_routes = trajectories / (world // rtp) * ro.max_total_tokens * routes_per_token * 2
+    host_routes = step_trajectories(cfg.allocation) / (world // rtp) * ro.max_total_tokens * routes_per_token * 2
 
     gpu = cl.gpu_memory_gib * GIB
     engine_weights = c.total * wb / rtp

@@ -324,6 +324,10 @@ class OptimConfig:
     mini_batches_per_step: int = 1
     """Optimiser steps per epoch: the step's trees are split into this many mini-batches of whole
     trees (balanced by tokens, deterministic); capped at (number of trees) / (data-parallel size)."""
+    contrasted_trees_per_mini_batch: int = 0
+    """> 0: instead, one mini-batch per this many contrasted trees (nonzero advantage somewhere),
+    rounded, at least 1, so a batch with more contrast takes more optimiser steps (verl's DAPO: a
+    fixed count of kept groups per step). 0: `mini_batches_per_step`."""
     epochs_per_step: int = 1
     """Passes over the step's mini-batches. With 1 mini-batch and 1 epoch the update is on-policy
     (the old log-probs are the current ones, so PPO's ratio is exactly 1)."""
@@ -336,6 +340,12 @@ class OptimConfig:
         require(self.max_consecutive_skipped >= 0, "max_consecutive_skipped", "must be >= 0 (0: never stop)")
         require(self.lr > 0, "lr", "must be > 0")
         require(self.mini_batches_per_step >= 1, "mini_batches_per_step", "must be >= 1")
+        require(self.contrasted_trees_per_mini_batch >= 0, "contrasted_trees_per_mini_batch", "must be >= 0")
+        require(
+            self.contrasted_trees_per_mini_batch == 0 or self.mini_batches_per_step == 1,
+            "contrasted_trees_per_mini_batch",
+            "sizes the mini-batches itself: leave mini_batches_per_step at 1",
+        )
         require(self.epochs_per_step >= 1, "epochs_per_step", "must be >= 1")
 
 

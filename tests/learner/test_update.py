@@ -15,7 +15,7 @@ from trace_mega.learner.models import output_weight
 from trace_mega.learner.optim import build_optimizer, train_step
 from trace_mega.objective.advantages import compute_advantages
 from trace_mega.objective.losses import compute_loss, rollout_is_weights
-from trace_mega.ops.balance import balanced_bins
+from trace_mega.ops.balance import balanced_bins, contrast_bins
 from trace_mega.ops.logprobs import packed_token_logprobs
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 
@@ -85,6 +85,47 @@ def test_balanced_bins_are_whole_balanced_and_deterministic():
     assert max(loads) - min(loads) <= max(sizes[i] for i in range(7))
     assert bins == balanced_bins(sizes, 3) == [[0, 4, 6], [1, 5], [2, 3]]
     assert balanced_bins(sizes, 1) == [list(range(7))]
+
+
+def test_contrast_bins_share_the_contrasted_trees_and_round_their_count():
+    sizes = [10, 3, 7, 7, 2, 9, 1, 4]
+    contrasted = [True, False, True, True, False, True, True, False]  # 5 contrasted
+    bins = contrast_bins(sizes, contrasted, per_bin=2, most=8)
+    assert len(bins) == 3  # round(5 / 2) = 3 (halves round up)
+    assert sorted(i for b in bins for i in b) == list(range(8))
+    shares = [sum(contrasted[i] for i in b) for b in bins]
+    assert max(shares) - min(shares) <= 1 and min(len(b) for b in bins) >= 8 // 3
+    assert bins == contrast_bins(sizes, contrasted, per_bin=2, most=8)
+    assert len(contrast_bins(sizes, contrasted, per_bin=4, most=8)) == 1  # round(1.25)
+    assert len(contrast_bins(sizes, contrasted, per_bin=1, most=4)) == 4  # capped
+    assert contrast_bins(sizes, [False] * 8, per_bin=2, most=8) == [list(range(8))]  # at least 1
+
+
+def _flat(trees):
+    """`trees` with every leaf's reward set to 1: all-equal groups, so no advantage anywhere."""
+    for t in trees:
+        for leaf in t.leaves():
+            t.nodes[leaf].reward = 1.0
+    return trees
+
+
+def test_mini_batches_sized_by_contrast_take_one_step_per_share(learner):
+    """`contrasted_trees_per_mini_batch`: the optimiser steps follow the contrasted trees, not all
+    trees, and the uncontrasted ones still give the predictor their pre-update hidden states."""
+    trees = _trees(5) + _flat(_trees(3, seed=1))
+    packed, adv = _batch(trees)
+    flat = adv.advantages[packed.tree_tokens([5, 6, 7])]
+    assert bool((flat == 0).all()) and bool((adv.advantages[packed.tree_tokens(range(5))] != 0).any())
+    try:
+        for per, steps in ((2, 3), (5, 1), (1, 5)):
+            _configure(learner, contrasted_trees_per_mini_batch=per, lr=1e-6)
+            before = learner.hidden_states(packed)
+            update = learner.train_step(packed, adv)
+            assert update.metrics["loss/optimizer_steps"] == float(steps)
+            assert update.trees == list(range(8))
+            torch.testing.assert_close(update.hidden, before, rtol=0, atol=1e-5)
+    finally:  # the module's learner is shared: later tests size their mini-batches as before
+        _configure(learner, contrasted_trees_per_mini_batch=0)
 
 
 def test_one_mini_batch_one_epoch_is_exactly_the_on_policy_step(learner):

@@ -60,7 +60,7 @@ from trace_mega.objective.advantages import Advantages
 from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, unit_count
 from trace_mega.objective.mismatch import mismatch_metrics, rollout_correction
 from trace_mega.ops.attention import tree_attention_mask
-from trace_mega.ops.balance import balanced_bins
+from trace_mega.ops.balance import balanced_bins, contrast_bins
 from trace_mega.ops.logprobs import packed_token_logprobs
 from trace_mega.rollout.tree import PackedTrees, RolloutTree
 
@@ -361,8 +361,8 @@ class Learner:
     ) -> PolicyUpdate:
         """The step's policy update over the trees of `packed` with their `advantages`.
 
-        `optim.epochs_per_step` passes over `optim.mini_batches_per_step` mini-batches of whole
-        trees (`balanced_bins` on tree tokens), one optimiser step each; every DP rank takes part
+        `optim.epochs_per_step` passes over the step's mini-batches of whole trees
+        (`_mini_batch_trees`), one optimiser step each; every DP rank takes part
         in every step (its share of each mini-batch), so the distributed optimizer's collectives
         line up. The PPO ratio is taken against `loss.old_logprobs`:
         * learner — the policy before the first update: `old_logprobs` (T,) when given (from
@@ -383,12 +383,7 @@ class Learner:
         """
         opt, lc, g = self.cfg.optim, self.cfg.loss, self.groups
         unit = aggregation_mode(lc)
-        # At most one mini-batch per dp_size trees: every rank needs a tree in every mini-batch.
-        n_mini = max(1, min(opt.mini_batches_per_step, packed.num_trees // g.dp_size))
-        minis = [
-            self._micro_batches(packed, advantages, ids)
-            for ids in balanced_bins(packed.tree_num_tokens().tolist(), n_mini)
-        ]
+        minis = [self._micro_batches(packed, advantages, ids) for ids in self._mini_batch_trees(packed, advantages)]
         single_update = len(minis) == 1 and opt.epochs_per_step == 1
         on_policy = lc.old_logprobs == "learner" and single_update
         # (T_share, H) hidden states of this rank's trees under the pre-update weights, for the
@@ -409,6 +404,19 @@ class Learner:
         if self.replays_routes:
             metrics |= take_metrics([self.policy], self.model_cfg.num_layers, g.device)
         return PolicyUpdate(metrics, self._to_all_stages(hidden), share)
+
+    def _mini_batch_trees(self, packed: PackedTrees, advantages: Advantages) -> list[list[int]]:
+        """The step's trees in mini-batches: `optim.mini_batches_per_step` balanced by tokens, or with
+        `optim.contrasted_trees_per_mini_batch` one per that many contrasted trees (a tree with a
+        nonzero advantage on some token), each holding its share of them. At most one mini-batch per
+        dp_size trees: every rank needs a tree in every mini-batch."""
+        opt, most = self.cfg.optim, max(1, packed.num_trees // self.groups.dp_size)
+        sizes = packed.tree_num_tokens()
+        if opt.contrasted_trees_per_mini_batch == 0:
+            return balanced_bins(sizes.tolist(), min(opt.mini_batches_per_step, most))
+        owner = torch.repeat_interleave(torch.arange(packed.num_trees), sizes)  # (T,) tree of each token
+        signal = torch.zeros(packed.num_trees).index_add_(0, owner, advantages.advantages.abs().cpu().float())
+        return contrast_bins(sizes.tolist(), (signal > 0).tolist(), opt.contrasted_trees_per_mini_batch, most)
 
     @torch.no_grad()
     def _prepare(

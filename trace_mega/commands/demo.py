@@ -61,6 +61,7 @@ REPORT_KEYS = (
     "eval_reward_final",
     "trajectories_per_step",
     "generated_tokens_per_step",
+    "optimizer_steps_per_step",
     "wall_s",
 )
 
@@ -113,6 +114,7 @@ def summarise(rows: list[dict[str, float]], wall_s: float, split: str = "test") 
         "eval_reward_final": _last(rows, f"eval/{split}/reward"),
         "trajectories_per_step": _mean(rows, "alloc/generated_trajectories"),  # generated (dapo drops some)
         "generated_tokens_per_step": _mean(rows, "rollout/generated_tokens"),
+        "optimizer_steps_per_step": _mean(rows, "loss/optimizer_steps"),  # > 1 with mini-batches sized by contrast
         "wall_s": wall_s,
     }
 

@@ -31,6 +31,13 @@ def test_unknown_key_names_the_dotted_field():
         ({"credit": {"epsilon": 0.0}}, r"^credit\.epsilon: must be > 0"),
         ({"rollout": "torch"}, r"^rollout: expected a mapping"),
         ({"env": {"max_tool_calls_per_turn": 0}}, r"^env\.max_tool_calls_per_turn: must be >= 1"),
+        ({"loss": {"rollout_reject": "seq_k3"}}, r"^loss\.rollout_reject: 'seq_k3' is not one of"),
+        (
+            {"loss": {"rollout_reject": "seq_mean_k3", "old_logprobs": "behaviour"}},
+            r"^loss\.rollout_reject: weighs the learner",
+        ),
+        ({"loss": {"rollout_reject_max": 0.0}}, r"^loss\.rollout_reject_max: must be > 0"),
+        ({"loss": {"rollout_is_batch_normalize": True}}, r"^loss\.rollout_is_batch_normalize: normalises"),
     ],
 )
 def test_bad_values_fail_at_load_with_the_field(data, pattern):

@@ -382,16 +382,28 @@ class LossConfig:
     root-to-leaf path, or none. Needs old_logprobs: learner."""
     rollout_is_cap: float = 2.0
     """Cap C of the truncated importance weights (verl's rollout_is_threshold, default 2)."""
-    rollout_mask: Literal["none", "token", "sequence"] = "none"
+    rollout_is_batch_normalize: bool = False
+    """Divide the rollout_is weights by their mean over the optimiser step's mini-batch, all ranks (per
+    token, or per path with sequence): verl's rollout_is_batch_normalize. Costs one no-grad forward when
+    the update would otherwise be on-policy (the weights must be known before the first micro-batch)."""
+    rollout_mask: Literal["none", "token", "sequence", "geometric"] = "none"
     """Mask of extreme-ratio tokens (IcePop / MIS, docs/learner.md "Training-inference mismatch"): a token
-    (token) or every token of a root-to-leaf path (sequence) whose ratio pi_old / pi_engine lies outside
-    [rollout_mask_low, rollout_mask_high] gets weight 0 on the policy surrogate; multiplies the
-    rollout_is weights (token IS with cap = rollout_mask_high and a token mask is IcePop). Needs
-    old_logprobs: learner."""
+    (token) or every token of a root-to-leaf path whose ratio pi_old / pi_engine (sequence: the path's
+    product; geometric: its per-token geometric mean) lies outside [rollout_mask_low, rollout_mask_high]
+    gets weight 0 on the policy surrogate; multiplies the rollout_is weights (token IS with cap =
+    rollout_mask_high and a token mask is IcePop). Needs old_logprobs: learner."""
     rollout_mask_low: float = 0.5
     """Lower bound of the kept ratio pi_old / pi_engine (IcePop's 0.5)."""
     rollout_mask_high: float = 2.0
     """Upper bound of the kept ratio pi_old / pi_engine (IcePop's 2)."""
+    rollout_reject: Literal[
+        "none", "token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"
+    ] = "none"  # fmt: skip
+    """verl's divergence rejection (rollout_rs): weight 0 where k2 = (log r)^2 / 2 or k3 = r - 1 - log r of
+    r = pi_old / pi_engine exceeds rollout_reject_max, per token or per path (sum / mean / max over its
+    tokens); multiplies the other factors. Needs old_logprobs: learner."""
+    rollout_reject_max: float = 0.01
+    """Largest kept divergence of rollout_reject (verl's K3-RS preset: 0.01)."""
 
     def validate(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high"):
@@ -402,18 +414,14 @@ class LossConfig:
         require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         require(self.kl_clamp is None or self.kl_clamp > 0, "kl_clamp", "must be > 0 (or null)")
         require(self.rollout_is_cap >= 1, "rollout_is_cap", "must be >= 1")
-        require(
-            self.rollout_is == "none" or self.old_logprobs == "learner",
-            "rollout_is",
-            "corrects the learner's old log-probs against the engine's; needs old_logprobs: learner",
-        )
         require(0 < self.rollout_mask_low <= 1, "rollout_mask_low", "must be in (0, 1] (ratio 1 is kept)")
         require(self.rollout_mask_high >= 1, "rollout_mask_high", "must be >= 1 (ratio 1 is kept)")
-        require(
-            self.rollout_mask == "none" or self.old_logprobs == "learner",
-            "rollout_mask",
-            "masks by the learner's old log-probs against the engine's; needs old_logprobs: learner",
-        )
+        require(self.rollout_reject_max > 0, "rollout_reject_max", "must be > 0")
+        for name in ("rollout_is", "rollout_mask", "rollout_reject"):  # against behaviour every ratio is 1
+            msg = "weighs the learner's old log-probs against the engine's; needs old_logprobs: learner"
+            require(getattr(self, name) == "none" or self.old_logprobs == "learner", name, msg)
+        msg = "normalises the rollout_is weights: set rollout_is"
+        require(not self.rollout_is_batch_normalize or self.rollout_is != "none", "rollout_is_batch_normalize", msg)
 
 
 @dataclass

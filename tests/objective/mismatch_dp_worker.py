@@ -3,10 +3,12 @@
 `step_and_whole(learner)`: engine log-probs 0.4 nats of noise off the learner's, one NaN; one
 `Learner.train_step` (2 mini-batches, several micro-batches per rank); returns the step's metrics
 and the mismatch metrics of the whole batch computed at once from the same log-probs.
+`normalised_steps(learner)`: the same batch (no NaN) with and without `loss.rollout_is_batch_normalize`.
 
-As a worker, argv: OUT_JSON; rank 0 writes {"dp": .., "step": .., "whole": ..}.
+As a worker, argv: OUT_JSON; rank 0 writes {"dp": .., "step": .., "whole": .., "normalised": ..}.
 """
 
+import dataclasses
 import json
 import math
 import sys
@@ -16,7 +18,7 @@ import torch
 from trace_mega.config import AdvantageConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from trace_mega.objective.advantages import compute_advantages
 from trace_mega.objective.losses import LossBatch
-from trace_mega.objective.mismatch import mismatch_metrics, rollout_correction
+from trace_mega.objective.mismatch import correction_weights, mismatch_metrics, rollout_correction
 from trace_mega.rollout.tree import Node, RolloutTree, pack
 
 VOCAB = 61
@@ -45,19 +47,44 @@ def agent_trees(n: int = 8) -> list[RolloutTree]:
     return out
 
 
-def step_and_whole(learner) -> tuple[dict[str, float], dict[str, float], float]:
-    """(the step's metrics, the whole batch's mismatch metrics, the loss tokens' count)."""
+def _engine_batch(learner, nan: bool):
+    """(trees, packed, the learner's old log-probs (T,)): engine log-probs 0.4 nats off the learner's on the
+    trees' nodes, one NaN on a loss token with `nan`."""
     trees = agent_trees()
     packed = pack(trees)
     old = learner.old_logprobs(packed)
     g = torch.Generator().manual_seed(5)
     eng = old + 0.4 * torch.randn(packed.num_tokens, generator=g)
-    eng[int(packed.loss_mask.nonzero()[2])] = math.nan
+    if nan:
+        eng[int(packed.loss_mask.nonzero()[2])] = math.nan
     for gi, (ti, lid) in enumerate(packed.node_local):  # the engine's log-probs onto the trees' nodes
         node = trees[ti].nodes[lid]
         s, e = int(packed.node_start[gi]), int(packed.node_end[gi])
         node.logprobs = [float(x) if mk else 0.0 for x, mk in zip(eng[s:e].tolist(), node.loss_mask)]
-    packed = pack(trees)
+    return trees, pack(trees), old
+
+
+def normalised_steps(learner) -> tuple[dict[str, float], dict[str, float], float]:
+    """(a step's metrics, the same step's with `loss.rollout_is_batch_normalize`, the whole batch's mean IS
+    weight), one mini-batch each (several micro-batches per rank)."""
+    trees, packed, old = _engine_batch(learner, nan=False)
+    adv = compute_advantages(packed, trees, AdvantageConfig(name="tree"))
+    cfg = learner.cfg
+    try:
+        learner.cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, mini_batches_per_step=1))
+        plain = learner.train_step(packed, adv).metrics
+        loss = dataclasses.replace(cfg.loss, rollout_is_batch_normalize=True)
+        learner.cfg = dataclasses.replace(learner.cfg, loss=loss)
+        normed = learner.train_step(packed, adv).metrics
+    finally:
+        learner.cfg = cfg
+    _, met = correction_weights(old, packed.behaviour_logprobs, LossBatch(packed, adv.advantages), cfg.loss)
+    return plain, normed, (met["is_norm_sum"] / met["is_norm_count"]).item()
+
+
+def step_and_whole(learner) -> tuple[dict[str, float], dict[str, float], float]:
+    """(the step's metrics, the whole batch's mismatch metrics, the loss tokens' count)."""
+    trees, packed, old = _engine_batch(learner, nan=True)
     step = learner.train_step(packed, compute_advantages(packed, trees, AdvantageConfig(name="tree"))).metrics
     batch = LossBatch(packed, torch.zeros(packed.num_tokens))
     _, sums = rollout_correction(old, packed.behaviour_logprobs, old, batch, learner.cfg.loss)
@@ -70,9 +97,11 @@ def main() -> None:
 
     learner = Learner(train_config())
     step, whole, tokens = step_and_whole(learner)
+    normalised = normalised_steps(learner)
     if learner.groups.rank == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"dp": learner.groups.dp_size, "step": step, "whole": whole, "tokens": tokens}, f)
+            res = {"dp": learner.groups.dp_size, "step": step, "whole": whole, "tokens": tokens}
+            json.dump(res | {"normalised": normalised}, f)
     destroy_parallel()  # a live process group at interpreter exit can abort the process
 
 

@@ -6,8 +6,9 @@ through the learner's step.
 The references below are re-written in this file from the definitions in verl-project/verl,
 verl/trainer/ppo/rollout_corr_helper.py (the rollout correction of verl 0.6 / 0.7, main of late 2025):
 `compute_offpolicy_metrics`, `compute_is_metrics` (ratio fractions), `compute_rollout_correction_weights`
-(TIS for a float threshold, IcePop for "lower_upper") and `compute_rollout_rejection_mask`
-(token_k1 / seq_sum_k1), with `verl.utils.torch_functional.masked_mean` = Σ v·m / (Σ m + 1e-8).
+(TIS for a float threshold, IcePop for "lower_upper", `rollout_is_batch_normalize`) and
+`compute_rollout_rejection_mask` (token_k1 / seq_sum_k1 / seq_mean_k1 and the k2 / k3 options), with
+`verl.utils.torch_functional.masked_mean` = Σ v·m / (Σ m + 1e-8).
 They work on verl's (B, S) rows with a response mask; our layout is a packed tree stream, so each
 case is laid out as B single-path trees (one row each) and compared token by token.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.objective.mismatch_dp_worker import step_and_whole, train_config
+from tests.objective.mismatch_dp_worker import normalised_steps, step_and_whole, train_config
 from trace_mega.config import LossConfig
 from trace_mega.objective.losses import LossBatch, compute_loss, rollout_is_weights
 from trace_mega.objective.mismatch import mismatch_metrics, mismatch_sums, rollout_correction
@@ -91,6 +92,38 @@ def verl_rejection_mask(old, roll, m, option, lo, hi):
     stat = k1 if option == "token_k1" else (k1 * m).sum(-1, keepdim=True).expand_as(k1)
     keep = ((stat >= math.log(lo)) & (stat <= math.log(hi))).double()
     return m * keep, _mmean(1.0 - keep, m)
+
+
+def verl_divergence_rejection(old, roll, m, option, upper):
+    """compute_rollout_rejection_mask with a k2 / k3 option (upper bound only) or seq_mean_k1 ("lo_hi" as
+    ratio bounds on k1 = -log r; "median": a bound near the statistic's median): (modified response mask,
+    rollout_rs_masked_fraction, the bound)."""
+    lr = (old - roll).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    level, k = option.rsplit("_", 1)
+    tok = {"k1": -lr, "k2": 0.5 * lr**2, "k3": torch.exp(lr) - 1.0 - lr}[k]
+    if level == "token":
+        stat = tok
+    elif level == "seq_sum":
+        stat = (tok * m).sum(-1, keepdim=True).expand_as(tok)
+    elif level == "seq_mean":
+        stat = _mmean(tok, m, -1).unsqueeze(-1).expand_as(tok)
+    else:  # seq_max over the response tokens
+        stat = torch.where(m > 0, tok, -math.inf).amax(-1, keepdim=True).expand_as(tok)
+    if k == "k1":
+        lo, hi = (math.log(float(v)) for v in upper.split("_"))
+        keep = ((stat >= lo) & (stat <= hi)).double()
+    else:
+        upper = _median_cut(stat, m) if upper == "median" else upper
+        keep = (stat <= upper).double()
+    return m * keep, _mmean(1.0 - keep, m), upper
+
+
+def _median_cut(stat, m):
+    """A bound halfway between two neighbouring values of `stat` on the response tokens, near their median
+    (no value lies at it, so the fp32 and fp64 roundings of the same statistic fall on the same side)."""
+    v = stat[m > 0].unique()
+    i = max(len(v) // 2, 1)
+    return float((v[i - 1] + v[min(i, len(v) - 1)]) / 2) if len(v) > 1 else float(v[0]) + 1.0
 
 
 # --- shared random cases ---------------------------------------------------------------------------
@@ -251,6 +284,108 @@ def test_mask_alone_equals_verl_rejection(case, bounds, level):
     torch.testing.assert_close(w[rows][on].double(), keep[on], rtol=0, atol=0)
     assert met["masked_fraction"].item() == pytest.approx(frac.item(), abs=1e-6)
     assert (w[~batch.packed.loss_mask] == 1.0).all()  # off the loss mask nothing is weighted
+
+
+REJECTIONS = [
+    "token_k2",
+    "token_k3",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("option", REJECTIONS)
+@pytest.mark.parametrize("upper", [0.01, 0.5, "median"])
+def test_divergence_rejection_equals_verl(case, option, upper):
+    """rollout_reject alone is verl's rollout_rs k2 / k3 rejection (weight 1 kept, 0 rejected); "median":
+    a bound that rejects about half of the tokens or rows."""
+    old, roll, m = _case(*case)
+    batch, old_s, eng_s, rows = _layout(old, roll, m)
+    keep, frac, bound = verl_divergence_rejection(old, roll, m, option, upper)
+    w, met = rollout_is_weights(old_s, eng_s, batch, "none", 2.0, reject=option, reject_max=bound)
+    on = m > 0
+    torch.testing.assert_close(w[rows][on].double(), keep[on], rtol=0, atol=0)
+    assert met["masked_fraction"].item() == pytest.approx(frac.item(), abs=1e-6)
+    assert (w[~batch.packed.loss_mask] == 1.0).all()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("bounds", [(0.5, 2.0), (0.9, 1.05)])
+def test_geometric_mask_equals_verl_seq_mean_k1(case, bounds):
+    """rollout_mask: geometric is verl's seq_mean_k1 (geometric-mean ratio) rejection; as for token_k1 its
+    bounds on k1 = -log r are ours reversed."""
+    old, roll, m = _case(*case)
+    batch, old_s, eng_s, rows = _layout(old, roll, m)
+    w, met = rollout_is_weights(old_s, eng_s, batch, "none", 2.0, "geometric", bounds)
+    keep, frac, _ = verl_divergence_rejection(old, roll, m, "seq_mean_k1", f"{1.0 / bounds[1]}_{1.0 / bounds[0]}")
+    on = m > 0
+    torch.testing.assert_close(w[rows][on].double(), keep[on], rtol=0, atol=0)
+    assert met["masked_fraction"].item() == pytest.approx(frac.item(), abs=1e-6)
+
+
+def test_rejection_multiplies_the_other_factors_and_shares_a_prefix_over_its_paths():
+    """On a tree: a path rejected by seq_max_k3 zeroes its own tokens, halves the shared prefix's keep, and
+    multiplies into token IS there; an unknown option is refused, naming the valid ones."""
+    t = RolloutTree("x", [1, 2])
+    a = t.add_node(0, Node(0, [3, 4], [1, 1], [0.0, 0.0]))
+    t.add_path(a, [Node(0, [5], [1], [0.0])], 1.0)
+    t.add_path(a, [Node(0, [6, 7], [1, 1], [0.0, 0.0])], 0.0)
+    p = pack([t])
+    leaf1, leaf2 = p.leaf_nodes.tolist()
+    shared = int(p.node_parent[leaf1])
+    old = torch.zeros(p.num_tokens)
+    for node, val in ((shared, 0.1), (leaf1, 0.9), (leaf2, -0.05)):
+        old[int(p.node_start[node]) : int(p.node_end[node])] = val
+    batch = LossBatch(p, torch.zeros(p.num_tokens))
+    eng = torch.zeros(p.num_tokens)
+    # k3(0.9) = e^0.9 − 1.9 ≈ 0.56 rejects path 1 at M = 0.1; path 2's largest k3 is k3(0.1) ≈ 0.0052
+    w, met = rollout_is_weights(old, eng, batch, "token", 2.0, reject="seq_max_k3", reject_max=0.1)
+    s, l1, l2 = (int(p.node_start[n]) for n in (shared, leaf1, leaf2))
+    assert w[s].item() == pytest.approx(0.5 * math.exp(0.1))
+    assert w[l1].item() == 0.0 and w[l2].item() == pytest.approx(math.exp(-0.05))
+    assert met["masked_fraction"].item() == pytest.approx((0.5 * 2 + 1.0) / 5)
+    with pytest.raises(ValueError, match="seq_mean_k3"):
+        rollout_is_weights(old, eng, batch, "none", 2.0, reject="seq_k3")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [2.0, "0.5_2.0"])
+def test_batch_normalised_weights_equal_verl(case, level, threshold):
+    """w / (is_norm_sum / is_norm_count) is verl's rollout_is_batch_normalize: truncated (or IcePop) weights
+    over their mean per token, or per sequence over the rows."""
+    old, roll, m = _case(*case)
+    batch, old_s, eng_s, rows = _layout(old, roll, m)
+    icepop = isinstance(threshold, str)
+    w, met = rollout_is_weights(old_s, eng_s, batch, level, 2.0, level if icepop else "none", (0.5, 2.0))
+    ref, _ = verl_is_weights(old, roll, m, level, threshold)
+    if level == "token":
+        mean = _mmean(ref, m)
+    else:
+        mean = _mmean(ref, m, -1)[m.sum(-1) > 0].mean()
+    on = m > 0
+    ours = w[rows][on].double() / (met["is_norm_sum"] / met["is_norm_count"]).double()
+    # atol: verl floors a sequence's log-ratio at -20 (weights of ~1e-9 where ours are ~0)
+    torch.testing.assert_close(ours, (ref / mean)[on], rtol=1e-5, atol=1e-7)
+
+
+def _check_normalised(plain, normed, mean):
+    assert mean != pytest.approx(1.0, abs=1e-3)
+    assert normed["loss/rollout_is_norm_factor"] == pytest.approx(mean, rel=1e-5)
+    assert normed["loss/total"] == pytest.approx(plain["loss/total"] / mean, rel=1e-4)
+    assert normed["loss/rollout_is_mean"] == pytest.approx(plain["loss/rollout_is_mean"] / mean, rel=1e-5)
+
+
+def test_learner_normalises_the_weights_over_the_whole_mini_batch(learner):
+    """Through `Learner.train_step` (one mini-batch of several micro-batches): with batch normalisation the
+    loss at the pre-update weights is the plain one over the whole batch's mean IS weight, which the step
+    reports; so every micro-batch divided by the same, whole-batch mean."""
+    _check_normalised(*normalised_steps(learner))
 
 
 def test_sequence_weights_on_a_tree_are_the_mean_over_the_paths_through_a_token():
@@ -416,7 +551,7 @@ def test_learner_step_reports_the_whole_batch_metrics_and_survives_nan_engine_lo
 @pytest.mark.slow
 def test_data_parallel_step_reports_the_whole_batch_metrics(tmp_path):
     """DP = 2 (torchrun, gloo): each rank sums its share, the all-reduce adds them, the step's metrics are
-    still those of the whole batch."""
+    still those of the whole batch; batch-normalised IS divides by the mean over both ranks' shares."""
     from trace_mega.kernels._triton_env import env_without_interpreter
     from trace_mega.learner.parallel import free_port
 
@@ -429,3 +564,4 @@ def test_data_parallel_step_reports_the_whole_batch_metrics(tmp_path):
     res = json.loads(out.read_text())
     assert res["dp"] == 2
     _check_step(res["step"], res["whole"], res["tokens"])
+    _check_normalised(*res["normalised"])  # the mean over both ranks' shares

@@ -58,7 +58,7 @@ from trace_mega.learner.parallel import ParallelGroups, init_parallel
 from trace_mega.learner.routing_replay import install, take_metrics
 from trace_mega.objective.advantages import Advantages
 from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, unit_count
-from trace_mega.objective.mismatch import mismatch_metrics, rollout_correction
+from trace_mega.objective.mismatch import correction_weights, mismatch_metrics, rollout_correction
 from trace_mega.ops.attention import tree_attention_mask
 from trace_mega.ops.balance import balanced_bins, contrast_bins
 from trace_mega.ops.logprobs import packed_token_logprobs
@@ -372,7 +372,7 @@ class Learner:
           policy gradient, identical to a single on-policy step);
         * behaviour — the rollout engine's sampling log-probs stored on the trees.
         `loss.rollout_is` multiplies the surrogate by truncated weights min(π_old/π_engine, C),
-        `loss.rollout_mask` by 0 where that ratio is extreme (`objective.mismatch`).
+        `loss.rollout_mask` / `rollout_reject` by 0 where that ratio or its divergence is extreme (`objective.mismatch`).
         Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima). `routing`
         (T, L, k): the engine's MoE routes of `packed`, replayed by every policy forward here
         (`moe/*` metrics; docs/learner.md).
@@ -384,7 +384,8 @@ class Learner:
         opt, lc, g = self.cfg.optim, self.cfg.loss, self.groups
         unit = aggregation_mode(lc)
         minis = [self._micro_batches(packed, advantages, ids) for ids in self._mini_batch_trees(packed, advantages)]
-        single_update = len(minis) == 1 and opt.epochs_per_step == 1
+        # batch-normalised IS needs every micro-batch's old log-probs before the first one's loss
+        single_update = len(minis) == 1 and opt.epochs_per_step == 1 and not lc.rollout_is_batch_normalize
         on_policy = lc.old_logprobs == "learner" and single_update
         # (T_share, H) hidden states of this rank's trees under the pre-update weights, for the
         # predictor: filled by the training forward of a single update, else by a no-grad forward.
@@ -457,7 +458,24 @@ class Learner:
             del b["hidden_out"]
             if lc.old_logprobs == "learner" and old_logprobs is not None and g.is_last_stage:
                 b["old_logprobs"] = old_logprobs[idx.to(old_logprobs.device)]
+        if lc.rollout_is_batch_normalize and g.is_last_stage:
+            self._normalise_is(batches)
         return batches
+
+    def _normalise_is(self, batches: list[dict]) -> None:
+        """Sets each micro-batch's `is_norm`: the mean rollout IS weight of the whole mini-batch over this
+        stage's DP ranks (`losses.rollout_is_weights`' is_norm sums), which its loss divides the weights by."""
+        lc, g = self.cfg.loss, self.groups
+        total = torch.zeros(2, dtype=torch.float64, device=g.device)
+        for b in batches:
+            lb = b["loss"]
+            _, m = correction_weights(b["old_logprobs"], lb.packed.behaviour_logprobs, lb, lc)
+            total += torch.stack([m["is_norm_sum"], m["is_norm_count"]]).to(total)
+        if g.dp_size > 1:
+            dist.all_reduce(total, group=g.pgs.dp_cp)
+        mean = float(total[0] / total[1].clamp(min=1))
+        for b in batches:
+            b["is_norm"] = mean if mean > 1e-8 else 1.0  # verl keeps the raw weights below 1e-8
 
     def _loss_fn(self, unit: str, on_policy: bool):
         cfg = self.cfg.loss
@@ -483,6 +501,11 @@ class Learner:
             # and the rollout correction's weights (truncated IS, extreme-ratio mask)
             learner_lp = lp.detach() if cfg.old_logprobs == "behaviour" else old
             is_w, metrics = rollout_correction(old, behaviour, learner_lp, lb, cfg)
+            if "is_norm" in batch:  # verl's rollout_is_batch_normalize (`_normalise_is`)
+                is_w = is_w / batch["is_norm"]
+                metrics["rollout_is_mean_tok_sum"] = metrics["rollout_is_mean_tok_sum"] / batch["is_norm"]
+                metrics["rollout_is_max"] = metrics["rollout_is_max"] / batch["is_norm"]
+                metrics["rollout_is_norm_factor_tok_sum"] = batch["is_norm"] * mask.sum().float()
             out = compute_loss(
                 lp, lb, cfg, old_logprobs=old, ref_logprobs=batch.get("ref_logprobs"), entropy=ent, is_weights=is_w
             )

@@ -58,6 +58,7 @@ kl_ref / entropy when their coefficients are non-zero.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -85,6 +86,7 @@ __all__ = [
     "gspo",
     "kl_k3",
     "rollout_is_weights",
+    "REJECT_OPTIONS",
     "LOG_RATIO_CLAMP",
 ]
 
@@ -248,6 +250,10 @@ def _mean_over_paths(values: torch.Tensor, index: torch.Tensor, packed: PackedTr
     return values.new_zeros(packed.num_tokens).index_add(0, index[valid], values[rows]) / n.clamp(min=1)
 
 
+REJECT_OPTIONS = typing.get_args(typing.get_type_hints(LossConfig)["rollout_reject"])
+"""verl's divergence rejection modes (`loss.rollout_reject`), k1's ratio bounds being `loss.rollout_mask`."""
+
+
 def rollout_is_weights(
     old_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -256,19 +262,29 @@ def rollout_is_weights(
     cap: float,
     mask_mode: str = "none",
     mask_bounds: tuple[float, float] = (0.5, 2.0),
+    reject: str = "none",
+    reject_max: float = 0.01,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(T,) detached rollout-correction weights of the learner's π_old against the engine's π_beh.
 
-    With d_t = logπ_old(y_t) − logπ_beh(y_t), r_t = exp(d_t), a path's log-ratio D_p = Σ_{t∈p} d_t:
+    With d_t = logπ_old(y_t) − logπ_beh(y_t), r_t = exp(d_t), a path's log-ratio D_p = Σ_{t∈p} d_t and
+    n_p its count of loss tokens:
     truncated IS (`mode`)      none: 1;  token: min(r_t, C);  sequence: min(exp(D_p), C)
-    mask (`mask_mode`, [lo, hi])  none: 1;  token: 1[lo ≤ r_t ≤ hi];  sequence: 1[lo ≤ exp(D_p) ≤ hi]
-    w = IS · mask; factors of a path multiply per path and a token gets the mean of that product over
-    the paths through it (the leaves below its node), the flattened trajectories' weight. Token IS
-    with C = hi and a token mask is IcePop (verl's rollout_is_threshold "lo_hi"). A loss token whose
-    engine log-prob is NaN or ±inf gets w = 0 and counts as masked; w = 1 off the loss mask. The
+    mask (`mask_mode`, [lo, hi])  none: 1;  token: 1[lo ≤ r_t ≤ hi];  sequence: 1[lo ≤ exp(D_p) ≤ hi];
+                                  geometric: 1[lo ≤ exp(D_p / n_p) ≤ hi]
+    rejection (`reject`, M)    verl's rollout_rs with k2_t = d_t²/2 or k3_t = r_t − 1 − d_t:
+                                  token_k*: 1[k*_t ≤ M];  seq_{sum,mean,max}_k*: 1[sum / mean / max_{t∈p} k*_t ≤ M]
+    w = IS · mask · rejection; factors of a path multiply per path and a token gets the mean of that
+    product over the paths through it (the leaves below its node), the flattened trajectories' weight.
+    Token IS with C = hi and a token mask is IcePop (verl's rollout_is_threshold "lo_hi"). A loss token
+    whose engine log-prob is NaN or ±inf gets w = 0 and counts as masked; w = 1 off the loss mask. The
     token log-ratio is clamped to ±20 before exp and D_p to at most log C, so nothing overflows.
     Metrics (over loss tokens): mean and max of w, the fraction whose raw IS weight exceeded C,
-    masked_fraction (1 − the mask factor, non-finite tokens included).
+    masked_fraction (1 − the mask and rejection factors, non-finite tokens included); with IS the sums
+    whose ratio is the mean IS weight batch normalisation divides by (`is_norm_sum` / `is_norm_count`):
+    token: Σ IS·mask over the finite loss tokens / their count; sequence: Σ IS·mask over the paths with
+    one / their count, the mask's zeros counted (verl's IcePop) and the rejection's not (verl
+    normalises before its rollout_rs).
     """
     packed = batch.packed
     mask = packed.loss_mask.to(old_logprobs.device)
@@ -287,22 +303,51 @@ def rollout_is_weights(
         raise ValueError(f"unknown rollout_is {mode!r}; valid: none, token, sequence")
     if mask_mode == "token":
         keep = keep * ((d >= log_lo) & (d <= log_hi)).to(d.dtype)
-    elif mask_mode not in ("none", "sequence"):
-        raise ValueError(f"unknown rollout_mask {mask_mode!r}; valid: none, token, sequence")
-    if "sequence" in (mode, mask_mode):
+    elif mask_mode not in ("none", "sequence", "geometric"):
+        raise ValueError(f"unknown rollout_mask {mask_mode!r}; valid: none, token, sequence, geometric")
+    if reject not in REJECT_OPTIONS:
+        raise ValueError(f"unknown rollout_reject {reject!r}; valid: {', '.join(REJECT_OPTIONS)}")
+    level, k = reject.rsplit("_", 1) if reject != "none" else ("none", "")
+    tok_mask = keep  # (T,) live · token mask, before the rejection
+    if level != "none":  # fp64: k3 ≈ d²/2 of a bf16 engine's d ~ 1e-3 is below fp32's resolution of r
+        dc = d.double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        div = 0.5 * dc.square() if k == "k2" else torch.expm1(dc) - dc  # (T,), 0 off the live tokens
+        if level == "token":
+            keep = keep * (div <= reject_max).to(d.dtype)
+    by_path = mode == "sequence" or mask_mode in ("sequence", "geometric") or level.startswith("seq")
+    if by_path:
         index = path_token_index(packed)  # (P, S), -1 on padding
-        log_w = torch.where(index >= 0, d[index.clamp(min=0)], 0.0).sum(1)  # (P,) D_p
+        on = index >= 0
+
+        def per_path(v: torch.Tensor) -> torch.Tensor:  # (T,) -> (P, S), 0 on padding
+            return torch.where(on, v[index.clamp(min=0)], 0.0)
+
+        log_w = per_path(d).sum(1)  # (P,) D_p
         path_w, path_keep = torch.ones_like(log_w), torch.ones_like(log_w)
         if mode == "sequence":
             path_w = torch.exp(log_w.clamp(max=log_cap))
             capped = _mean_over_paths((log_w > log_cap).to(d.dtype), index, packed) > 0.5
-        if mask_mode == "sequence":
-            path_keep = ((log_w >= log_lo) & (log_w <= log_hi)).to(d.dtype)
-            keep = keep * _mean_over_paths(path_keep, index, packed)
+        if mask_mode != "none" and mask_mode != "token":
+            # sequence: the path's product of ratios; geometric: its per-token geometric mean
+            stat = log_w if mask_mode == "sequence" else log_w / per_path(live.to(d.dtype)).sum(1).clamp(min=1)
+            path_keep = ((stat >= log_lo) & (stat <= log_hi)).to(d.dtype)
+        path_mask = path_keep  # (P,) before the rejection
+        if level.startswith("seq"):
+            pd = per_path(div)  # (P, S) fp64
+            n = per_path(live.double()).sum(1).clamp(min=1)
+            stat = {"seq_sum": pd.sum(1), "seq_mean": pd.sum(1) / n, "seq_max": pd.amax(1)}[level]
+            path_keep = path_keep * (stat <= reject_max).to(d.dtype)
+        keep = keep * _mean_over_paths(path_keep, index, packed)
+        if mode == "sequence":
+            path_live = per_path(live.to(d.dtype)).sum(1) > 0
+            norm = ((path_w * path_mask)[path_live].sum(), path_live.sum())
+        elif mode == "token":
+            norm = ((w * tok_mask * _mean_over_paths(path_mask, index, packed)).sum(), live.sum())
         # w·keep per path first, then the mean: a shared token's weight is its flattened paths' mean.
         w = w * _mean_over_paths(path_w * path_keep, index, packed)
         w = torch.where(keep > 0, w, 0.0)  # a non-finite or token-masked token stays 0
     else:
+        norm = ((w * tok_mask).sum(), live.sum())
         w = w * keep
     w = torch.where(mask, w, torch.ones_like(w))
     mf = mask.to(w.dtype)
@@ -313,6 +358,8 @@ def rollout_is_weights(
         "rollout_is_capped_fraction": (capped.to(w.dtype) * mf).sum() / cnt,
         "masked_fraction": ((1.0 - keep) * mf).sum() / cnt,
     }
+    if mode != "none":  # verl's rollout_is_batch_normalize divides w by the batch's norm_sum / norm_count
+        metrics["is_norm_sum"], metrics["is_norm_count"] = norm[0].float(), norm[1].float()
     return w.detach(), metrics
 
 

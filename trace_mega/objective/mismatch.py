@@ -42,7 +42,7 @@ from trace_mega.config import LossConfig
 from trace_mega.objective.losses import LOG_RATIO_CLAMP, LossBatch, path_token_index, rollout_is_weights
 from trace_mega.rollout.tree import PackedTrees
 
-__all__ = ["MISMATCH_RATIO_BOUNDS", "mismatch_sums", "mismatch_metrics", "rollout_correction"]
+__all__ = ["MISMATCH_RATIO_BOUNDS", "mismatch_sums", "mismatch_metrics", "correction_weights", "rollout_correction"]
 
 MISMATCH_RATIO_BOUNDS = (0.5, 2.0)
 """Bounds of `mismatch/ratio_outside_frac` (fixed: a metric comparable across runs, not the mask's)."""
@@ -128,6 +128,17 @@ def mismatch_metrics(total: dict[str, float]) -> dict[str, float]:
     }
 
 
+def correction_weights(
+    old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, batch: LossBatch, cfg: LossConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`losses.rollout_is_weights` under the corrections `cfg` (loss.rollout_is / _mask / _reject) sets."""
+    bounds = (cfg.rollout_mask_low, cfg.rollout_mask_high)
+    return rollout_is_weights(
+        old_logprobs, engine_logprobs, batch, cfg.rollout_is, cfg.rollout_is_cap, cfg.rollout_mask, bounds,
+        cfg.rollout_reject, cfg.rollout_reject_max,
+    )  # fmt: skip
+
+
 def rollout_correction(
     old_logprobs: torch.Tensor,
     engine_logprobs: torch.Tensor,
@@ -137,21 +148,13 @@ def rollout_correction(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(T,) detached weights of the policy surrogate and the micro-batch's metric sums.
 
-    The weights are `rollout_is_weights` of `cfg.rollout_is` / `cfg.rollout_mask` (all 1 but for
-    non-finite engine log-probs, which get 0, when both are none: multiplying by 1 is exact). The
+    The weights are `correction_weights` (all 1 but for
+    non-finite engine log-probs, which get 0, when all are none: multiplying by 1 is exact). The
     sums: `mismatch_sums` of `learner_logprobs` against `engine_logprobs`, the masked-token count,
     and with `cfg.rollout_is` the IS weights' token sums (``rollout_is_*_tok_sum``) and maximum.
     """
     mask = batch.packed.loss_mask.to(old_logprobs.device)
-    w, m = rollout_is_weights(
-        old_logprobs,
-        engine_logprobs,
-        batch,
-        cfg.rollout_is,
-        cfg.rollout_is_cap,
-        cfg.rollout_mask,
-        (cfg.rollout_mask_low, cfg.rollout_mask_high),
-    )
+    w, m = correction_weights(old_logprobs, engine_logprobs, batch, cfg)
     tokens = mask.sum().float()
     sums = mismatch_sums(learner_logprobs, engine_logprobs, batch.packed)
     sums["mismatch_masked_sum"] = m["masked_fraction"] * tokens

@@ -383,9 +383,9 @@ class LossConfig:
     rollout_is_cap: float = 2.0
     """Cap C of the truncated importance weights (verl's rollout_is_threshold, default 2)."""
     rollout_is_batch_normalize: bool = False
-    """Divide the rollout_is weights by their mean over the optimiser step's mini-batch, all ranks (per
-    token, or per path with sequence): verl's rollout_is_batch_normalize. Costs one no-grad forward when
-    the update would otherwise be on-policy (the weights must be known before the first micro-batch)."""
+    """Divide the rollout_is weights by their mean over the step's batch, all ranks (per token, or per
+    path with sequence): verl's rollout_is_batch_normalize. Costs one no-grad forward when the update
+    would otherwise be on-policy (the weights must be known before the first micro-batch)."""
     rollout_mask: Literal["none", "token", "sequence", "geometric"] = "none"
     """Mask of extreme-ratio tokens (IcePop / MIS, docs/learner.md "Training-inference mismatch"): a token
     (token) or every token of a root-to-leaf path whose ratio pi_old / pi_engine (sequence: the path's

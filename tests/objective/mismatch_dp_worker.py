@@ -3,7 +3,8 @@
 `step_and_whole(learner)`: engine log-probs 0.4 nats of noise off the learner's, one NaN; one
 `Learner.train_step` (2 mini-batches, several micro-batches per rank); returns the step's metrics
 and the mismatch metrics of the whole batch computed at once from the same log-probs.
-`normalised_steps(learner)`: the same batch (no NaN) with and without `loss.rollout_is_batch_normalize`.
+`normalised_steps(learner)`: the same batch (no NaN) with and without `loss.rollout_is_batch_normalize`,
+in 1 and in 2 mini-batches.
 
 As a worker, argv: OUT_JSON; rank 0 writes {"dp": .., "step": .., "whole": .., "normalised": ..}.
 """
@@ -64,22 +65,23 @@ def _engine_batch(learner, nan: bool):
     return trees, pack(trees), old
 
 
-def normalised_steps(learner) -> tuple[dict[str, float], dict[str, float], float]:
-    """(a step's metrics, the same step's with `loss.rollout_is_batch_normalize`, the whole batch's mean IS
-    weight), one mini-batch each (several micro-batches per rank)."""
+def normalised_steps(learner) -> tuple[list[tuple[dict[str, float], dict[str, float]]], float]:
+    """([(a step's metrics, the same step's with `loss.rollout_is_batch_normalize`)] for 1 and 2 mini-batches
+    (several micro-batches per rank), the whole batch's mean IS weight)."""
     trees, packed, old = _engine_batch(learner, nan=False)
     adv = compute_advantages(packed, trees, AdvantageConfig(name="tree"))
-    cfg = learner.cfg
+    cfg, pairs = learner.cfg, []
     try:
-        learner.cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, mini_batches_per_step=1))
-        plain = learner.train_step(packed, adv).metrics
-        loss = dataclasses.replace(cfg.loss, rollout_is_batch_normalize=True)
-        learner.cfg = dataclasses.replace(learner.cfg, loss=loss)
-        normed = learner.train_step(packed, adv).metrics
+        for minis in (1, 2):
+            learner.cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, mini_batches_per_step=minis))
+            plain = learner.train_step(packed, adv).metrics
+            loss = dataclasses.replace(cfg.loss, rollout_is_batch_normalize=True)
+            learner.cfg = dataclasses.replace(learner.cfg, loss=loss)
+            pairs.append((plain, learner.train_step(packed, adv).metrics))
     finally:
         learner.cfg = cfg
     _, met = correction_weights(old, packed.behaviour_logprobs, LossBatch(packed, adv.advantages), cfg.loss)
-    return plain, normed, (met["is_norm_sum"] / met["is_norm_count"]).item()
+    return pairs, (met["is_norm_sum"] / met["is_norm_count"]).item()
 
 
 def step_and_whole(learner) -> tuple[dict[str, float], dict[str, float], float]:

@@ -374,17 +374,19 @@ def test_batch_normalised_weights_equal_verl(case, level, threshold):
     torch.testing.assert_close(ours, (ref / mean)[on], rtol=1e-5, atol=1e-7)
 
 
-def _check_normalised(plain, normed, mean):
+def _check_normalised(pairs, mean):
+    """The loss (at the pre-update weights; lr 1e-8) is the plain one over the whole batch's mean IS weight,
+    also in 2 mini-batches: one mean for the step, not one per mini-batch or micro-batch."""
     assert mean != pytest.approx(1.0, abs=1e-3)
-    assert normed["loss/rollout_is_norm_factor"] == pytest.approx(mean, rel=1e-5)
-    assert normed["loss/total"] == pytest.approx(plain["loss/total"] / mean, rel=1e-4)
-    assert normed["loss/rollout_is_mean"] == pytest.approx(plain["loss/rollout_is_mean"] / mean, rel=1e-5)
+    for plain, normed in pairs:
+        assert normed["loss/rollout_is_norm_factor"] == pytest.approx(mean, rel=1e-5)
+        assert normed["loss/total"] == pytest.approx(plain["loss/total"] / mean, rel=1e-4)
+        assert normed["loss/rollout_is_mean"] == pytest.approx(plain["loss/rollout_is_mean"] / mean, rel=1e-5)
 
 
-def test_learner_normalises_the_weights_over_the_whole_mini_batch(learner):
-    """Through `Learner.train_step` (one mini-batch of several micro-batches): with batch normalisation the
-    loss at the pre-update weights is the plain one over the whole batch's mean IS weight, which the step
-    reports; so every micro-batch divided by the same, whole-batch mean."""
+def test_learner_normalises_the_weights_over_the_whole_batch(learner):
+    """Through `Learner.train_step` (1 or 2 mini-batches of several micro-batches): every micro-batch divides
+    its weights by the same, whole-batch mean, which the step reports."""
     _check_normalised(*normalised_steps(learner))
 
 

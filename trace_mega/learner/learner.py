@@ -395,6 +395,8 @@ class Learner:
         where[rows] = torch.arange(rows.numel())
         hidden = torch.zeros(rows.numel(), self.hidden_size, device=g.device, dtype=self.dtype)
         plans = [self._prepare(mini, hidden, where, old_logprobs, single_update, routing) for mini in minis]
+        if lc.rollout_is_batch_normalize and g.is_last_stage:
+            self._normalise_is([b for batches in plans for b in batches])
         loss_fn = self._loss_fn(unit, on_policy)
         steps = [
             train_step(self.chunks, self.optimizer, self.scheduler, batches, loss_fn, g, output="hidden")
@@ -458,13 +460,12 @@ class Learner:
             del b["hidden_out"]
             if lc.old_logprobs == "learner" and old_logprobs is not None and g.is_last_stage:
                 b["old_logprobs"] = old_logprobs[idx.to(old_logprobs.device)]
-        if lc.rollout_is_batch_normalize and g.is_last_stage:
-            self._normalise_is(batches)
         return batches
 
     def _normalise_is(self, batches: list[dict]) -> None:
-        """Sets each micro-batch's `is_norm`: the mean rollout IS weight of the whole mini-batch over this
-        stage's DP ranks (`losses.rollout_is_weights`' is_norm sums), which its loss divides the weights by."""
+        """Sets each micro-batch's `is_norm`: the mean rollout IS weight of the step's whole batch (every
+        mini-batch, this stage's DP ranks; `losses.rollout_is_weights`' is_norm sums), which its loss divides
+        the weights by. verl's trainer normalises the whole batch too, before splitting it into mini-batches."""
         lc, g = self.cfg.loss, self.groups
         total = torch.zeros(2, dtype=torch.float64, device=g.device)
         for b in batches:

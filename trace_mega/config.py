@@ -12,28 +12,13 @@ from typing import Any, Literal, Optional
 
 from trace_mega.configbase import ConfigError, load_config, load_yaml, require, save_yaml, to_dict
 
+# fmt: off
 __all__ = [
-    "AllocationConfig",
-    "PredictorConfig",
-    "RolloutConfig",
-    "EnvConfig",
-    "ModelConfig",
-    "ParallelConfig",
-    "OptimConfig",
-    "LossConfig",
-    "AdvantageConfig",
-    "CreditConfig",
-    "CheckpointConfig",
-    "TelemetryConfig",
-    "EvalConfig",
-    "ClusterConfig",
-    "TrainConfig",
-    "ConfigError",
-    "load_config",
-    "load_yaml",
-    "save_yaml",
-    "to_dict",
+    "AllocationConfig", "PredictorConfig", "RolloutConfig", "EnvConfig", "ModelConfig", "ParallelConfig",
+    "OptimConfig", "LossConfig", "AdvantageConfig", "CreditConfig", "CheckpointConfig", "TelemetryConfig",
+    "EvalConfig", "ClusterConfig", "TrainConfig", "ConfigError", "load_config", "load_yaml", "save_yaml", "to_dict",
 ]
+# fmt: on
 
 
 @dataclass
@@ -377,21 +362,16 @@ class LossConfig:
     """Log-probs the PPO ratio is taken against: learner (one no-grad learner forward before the first
     update of the step) | behaviour (the rollout engine's sampling log-probs)."""
     rollout_is: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance weights min(pi_old / pi_engine, cap) on the loss, correcting the
-    engine-vs-learner mismatch (docs/credit.md "Rollout importance correction"): per token, per
-    root-to-leaf path, or none. Needs old_logprobs: learner."""
+    """Truncated importance weights min(pi_old / pi_engine, cap) on the loss against the engine-vs-learner
+    mismatch (docs/credit.md "Rollout importance correction"): per token, per root-to-leaf path, or none."""
     rollout_is_cap: float = 2.0
     """Cap C of the truncated importance weights (verl's rollout_is_threshold, default 2)."""
     rollout_is_batch_normalize: bool = False
-    """Divide the rollout_is weights by their mean over the step's batch, all ranks (per token, or per
-    path with sequence): verl's rollout_is_batch_normalize. Costs one no-grad forward when the update
-    would otherwise be on-policy (the weights must be known before the first micro-batch)."""
+    """Divide the rollout_is weights by their mean over the step's batch and ranks (verl's field of that name);
+    an otherwise on-policy update then runs one no-grad forward for its old log-probs."""
     rollout_mask: Literal["none", "token", "sequence", "geometric"] = "none"
-    """Mask of extreme-ratio tokens (IcePop / MIS, docs/learner.md "Training-inference mismatch"): a token
-    (token) or every token of a root-to-leaf path whose ratio pi_old / pi_engine (sequence: the path's
-    product; geometric: its per-token geometric mean) lies outside [rollout_mask_low, rollout_mask_high]
-    gets weight 0 on the policy surrogate; multiplies the rollout_is weights (token IS with cap =
-    rollout_mask_high and a token mask is IcePop). Needs old_logprobs: learner."""
+    """Weight 0 where the ratio pi_old / pi_engine of a token, a path (product) or a path's geometric mean
+    leaves [rollout_mask_low, rollout_mask_high]; times rollout_is (IcePop / MIS, docs/learner.md)."""
     rollout_mask_low: float = 0.5
     """Lower bound of the kept ratio pi_old / pi_engine (IcePop's 0.5)."""
     rollout_mask_high: float = 2.0
@@ -399,9 +379,8 @@ class LossConfig:
     rollout_reject: Literal[
         "none", "token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"
     ] = "none"  # fmt: skip
-    """verl's divergence rejection (rollout_rs): weight 0 where k2 = (log r)^2 / 2 or k3 = r - 1 - log r of
-    r = pi_old / pi_engine exceeds rollout_reject_max, per token or per path (sum / mean / max over its
-    tokens); multiplies the other factors. Needs old_logprobs: learner."""
+    """verl's rollout_rs: weight 0 where k2 or k3 of r = pi_old / pi_engine, per token or per path (sum / mean
+    / max), exceeds rollout_reject_max; times the other factors (docs/learner.md)."""
     rollout_reject_max: float = 0.01
     """Largest kept divergence of rollout_reject (verl's K3-RS preset: 0.01)."""
 

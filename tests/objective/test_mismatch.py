@@ -328,9 +328,9 @@ def test_geometric_mask_equals_verl_seq_mean_k1(case, bounds):
     assert met["masked_fraction"].item() == pytest.approx(frac.item(), abs=1e-6)
 
 
-def test_rejection_multiplies_the_other_factors_and_shares_a_prefix_over_its_paths():
-    """On a tree: a path rejected by seq_max_k3 zeroes its own tokens, halves the shared prefix's keep, and
-    multiplies into token IS there; an unknown option is refused, naming the valid ones."""
+def _two_path_tree():
+    """A shared 2-token prefix (log-ratio 0.1 a token) under two leaves (1 token at 0.9; 2 at -0.05), engine
+    log-probs 0: (packed, shared node, leaf 1, leaf 2, old (T,), LossBatch, engine (T,))."""
     t = RolloutTree("x", [1, 2])
     a = t.add_node(0, Node(0, [3, 4], [1, 1], [0.0, 0.0]))
     t.add_path(a, [Node(0, [5], [1], [0.0])], 1.0)
@@ -339,10 +339,17 @@ def test_rejection_multiplies_the_other_factors_and_shares_a_prefix_over_its_pat
     leaf1, leaf2 = p.leaf_nodes.tolist()
     shared = int(p.node_parent[leaf1])
     old = torch.zeros(p.num_tokens)
-    for node, val in ((shared, 0.1), (leaf1, 0.9), (leaf2, -0.05)):
+    for node, val in ((shared, 0.1), (leaf1, 0.9), (leaf2, -0.05)):  # per-token log ratios
         old[int(p.node_start[node]) : int(p.node_end[node])] = val
     batch = LossBatch(p, torch.zeros(p.num_tokens))
     eng = torch.zeros(p.num_tokens)
+    return p, shared, leaf1, leaf2, old, batch, eng
+
+
+def test_rejection_multiplies_the_other_factors_and_shares_a_prefix_over_its_paths():
+    """On a tree: a path rejected by seq_max_k3 zeroes its own tokens, halves the shared prefix's keep, and
+    multiplies into token IS there; an unknown option is refused, naming the valid ones."""
+    p, shared, leaf1, leaf2, old, batch, eng = _two_path_tree()
     # k3(0.9) = e^0.9 − 1.9 ≈ 0.56 rejects path 1 at M = 0.1; path 2's largest k3 is k3(0.1) ≈ 0.0052
     w, met = rollout_is_weights(old, eng, batch, "token", 2.0, reject="seq_max_k3", reject_max=0.1)
     s, l1, l2 = (int(p.node_start[n]) for n in (shared, leaf1, leaf2))
@@ -391,18 +398,7 @@ def test_learner_normalises_the_weights_over_the_whole_batch(learner):
 
 
 def test_sequence_weights_on_a_tree_are_the_mean_over_the_paths_through_a_token():
-    t = RolloutTree("x", [1, 2])
-    a = t.add_node(0, Node(0, [3, 4], [1, 1], [0.0, 0.0]))
-    t.add_path(a, [Node(0, [5], [1], [0.0])], 1.0)
-    t.add_path(a, [Node(0, [6, 7], [1, 1], [0.0, 0.0])], 0.0)
-    p = pack([t])
-    leaf1, leaf2 = p.leaf_nodes.tolist()
-    shared = int(p.node_parent[leaf1])
-    old = torch.zeros(p.num_tokens)
-    for node, val in ((shared, 0.1), (leaf1, 0.9), (leaf2, -0.05)):  # per-token log ratios
-        old[int(p.node_start[node]) : int(p.node_end[node])] = val
-    batch = LossBatch(p, torch.zeros(p.num_tokens))
-    eng = torch.zeros(p.num_tokens)
+    p, shared, leaf1, leaf2, old, batch, eng = _two_path_tree()
     # path 1: D = 0.2 + 0.9 = 1.1 (ratio 3.0, masked by [0.5, 2]); path 2: D = 0.2 − 0.1 = 0.1 (kept)
     w, met = rollout_is_weights(old, eng, batch, "sequence", 2.0, "sequence", (0.5, 2.0))
     s, l1, l2 = (int(p.node_start[n]) for n in (shared, leaf1, leaf2))

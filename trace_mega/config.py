@@ -142,6 +142,9 @@ class RolloutConfig:
     """Dtype the engine computes in; auto = the learner's `model.params_dtype` (vLLM's own "auto"
     would downcast a float32 policy to bfloat16 and the behaviour log-probs would drift from the
     learner's)."""
+    lm_head_fp32: bool = False
+    """Compute the LM head's matmul and logits in float32 in a bfloat16 / float16 engine, as the learner's fused
+    log-prob kernel does (vLLM: `head_dtype` float32); cuts the mismatch the rounded logits cause (docs/learner.md)."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0

@@ -316,3 +316,41 @@ def test_update_weights_fills_fused_moe_experts_from_per_expert_names(tmp_path):
     assert all(torch.equal(got[n], p) for n, p in ref.named_parameters())
     with pytest.raises(KeyError, match="no tensor"):
         eng.update_weights([("model.layers.0.mlp.experts.9.up_proj.weight", torch.zeros(16, 32))])
+
+
+def _first_token_logprobs(eng, reference16, fp32_head):
+    """(engine's, reference's) log-prob of the first token sampled after each prompt alone: one prefill
+    forward, the same computation as `reference16`'s decoder over the prompt; its last hidden state
+    projected by the head in float32 (`fp32_head`) or in the model's dtype."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=1, seed=5)
+    got, want = [], []
+    for p in PROMPTS:
+        c = eng.generate([p], sp)[0]
+        hidden = reference16.model(torch.tensor([p])).last_hidden_state[0, -1]
+        weight = reference16.get_output_embeddings().weight
+        logits = hidden.float() @ weight.float().T if fp32_head else (hidden @ weight.T).float()
+        got.append(c.logprobs[0])
+        want.append(torch.log_softmax(logits, -1)[c.token_ids[0]].item())
+    return torch.tensor(got), torch.tensor(want)
+
+
+def test_fp32_head_projects_a_bfloat16_engine_hidden_state_in_float32(model):
+    """`lm_head_fp32`: a bf16 engine's logits are its last hidden state times its head's weight, both
+    cast to float32 (vLLM's `head_dtype`), not rounded to bf16; after `update_weights` the float32
+    head follows the new weights."""
+    ref16 = copy.deepcopy(model).to(torch.bfloat16)
+    fp32_head = TorchEngine(copy.deepcopy(model), dtype=torch.bfloat16, lm_head_fp32=True, enable_prefix_caching=False)
+    got, want = _first_token_logprobs(fp32_head, ref16, fp32_head=True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    plain = TorchEngine(copy.deepcopy(model), dtype=torch.bfloat16, enable_prefix_caching=False)
+    got_plain, want_plain = _first_token_logprobs(plain, ref16, fp32_head=False)
+    torch.testing.assert_close(got_plain, want_plain, atol=1e-6, rtol=0)
+    assert not torch.allclose(want, want_plain, atol=1e-6, rtol=0)  # the rounded logits differ
+    new_model = tiny_qwen3(1)
+    fp32_head.update_weights(new_model.state_dict().items())
+    got, want = _first_token_logprobs(fp32_head, new_model.to(torch.bfloat16), fp32_head=True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # A float32 engine has nothing to round: the option changes nothing.
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    exact, base = TorchEngine(copy.deepcopy(model), lm_head_fp32=True), TorchEngine(copy.deepcopy(model))
+    assert [c.logprobs for c in exact.generate(PROMPTS, sp)] == [c.logprobs for c in base.generate(PROMPTS, sp)]

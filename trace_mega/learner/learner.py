@@ -288,7 +288,12 @@ class Learner:
 
     @torch.no_grad()
     def score_nodes(
-        self, packed: PackedTrees, nodes: torch.Tensor, score: NodeScorer, needs_hidden: bool
+        self,
+        packed: PackedTrees,
+        nodes: torch.Tensor,
+        score: NodeScorer,
+        needs_hidden: bool,
+        routing: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """(S,) float64 `score(sub, local, hidden)` of `nodes` (global ids of `packed`), on the learner's
         device and every rank: the TRACE-A predictor's scoring of prompts or prefixes.
@@ -298,7 +303,8 @@ class Learner:
         on every rank) and scores their nodes in the sub-layout `sub` (`local`: their ids there;
         `hidden`: the policy's hidden states of `sub` when `needs_hidden`, else None); the scores are
         summed over DP into the whole vector (each is filled by exactly one rank), so no rank
-        repeats another rank's forward."""
+        repeats another rank's forward. `routing`: (T, L, k) MoE routes of `packed` to replay, so the
+        predictor reads the hidden states of the experts the engine used, as in its training."""
         g = self.groups
         out = torch.zeros(nodes.numel(), dtype=torch.float64, device=g.device)
         if nodes.numel() == 0:
@@ -309,7 +315,8 @@ class Learner:
         if share:
             sub = packed.select(share)
             idx, local = packed.nodes_in(share, nodes)
-            hidden = self.hidden_states(sub) if needs_hidden else None
+            sub_routing = None if routing is None else routing[packed.tree_tokens(share)]
+            hidden = self.hidden_states(sub, sub_routing) if needs_hidden else None
             out[idx.to(g.device)] = score(sub, local, hidden).to(out)
         if g.dp_size > 1:
             dist.all_reduce(out, group=g.pgs.dp)

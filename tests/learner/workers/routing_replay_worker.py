@@ -7,7 +7,7 @@ std, so it routes some tokens elsewhere) generates small trees and captures its 
 learner's log-probs with and without replay are compared with a plain HF forward of every path
 whose routers are forced to the engine's experts (weights from the unperturbed router, as the
 learner's replay takes them). The first rank of the last pipeline stage (where the log-probs are)
-writes the differences and the replay metrics as JSON. Every rank saves its weights after the
+writes the differences, the predictor-scoring check and the replay metrics as JSON. Every rank saves its weights after the
 replayed update to OUT_JSON.rank<r>.pt; RECOMPUTE=1 turns on activation recompute.
 """
 
@@ -132,6 +132,18 @@ def main() -> None:
     ref_in = [learner._batch(packed, routing=routes), learner._batch(packed)]
     ref = [h[0, : packed.num_tokens] for h in forward_only(learner.reference, ref_in)]
     policy_hidden = learner.hidden_states(packed)
+
+    # The predictor's scoring (`score_nodes`, split over DP) replays the routes it is handed: a node's
+    # score here is the sum of its tokens' hidden states, from the replayed forward or the own one.
+    def node_sums(layout, hidden):
+        return torch.zeros(layout.num_nodes, dtype=torch.float64).index_add_(
+            0, layout.token_node, hidden.sum(-1).double()
+        )
+
+    nodes = torch.arange(packed.num_nodes)
+    scored = learner.score_nodes(packed, nodes, lambda sub, local, h: node_sums(sub, h)[local], True, routing=routes)
+    want_replayed = node_sums(packed, learner.hidden_states(packed, routes))
+    want_own = node_sums(packed, policy_hidden)
     forced, hf_own = forced_logprobs(hf_dir, trees, packed, routes)
     mask = packed.loss_mask & (packed.prev_index >= 0)
     given = routes[..., 0] >= 0  # (T, L)
@@ -149,6 +161,8 @@ def main() -> None:
                     "own_vs_forced": float((own - forced)[mask].abs().max()),
                     "reference_routes_on_its_own": bool(torch.equal(ref[0], ref[1]))
                     and float((ref[1] - policy_hidden).abs().max()) < 1e-5,
+                    "score_vs_replayed": float((scored - want_replayed).abs().max()),
+                    "score_own_gap": float((want_own - want_replayed).abs().max()),
                     "loss_tokens": int(mask.sum()),
                     "routed_tokens": int(given[:, 0].sum()),
                     "unrouted_tokens": int((~given[:, 0]).sum()),

@@ -298,13 +298,10 @@ class Learner:
         """(S,) float64 `score(sub, local, hidden)` of `nodes` (global ids of `packed`), on the learner's
         device and every rank: the TRACE-A predictor's scoring of prompts or prefixes.
 
-        The forwards are split over data-parallel ranks: each DP rank (with its TP and PP peers)
-        encodes only its share of the trees that hold `nodes` (`balanced_bins` on tokens, the same
-        on every rank) and scores their nodes in the sub-layout `sub` (`local`: their ids there;
-        `hidden`: the policy's hidden states of `sub` when `needs_hidden`, else None); the scores are
-        summed over DP into the whole vector (each is filled by exactly one rank), so no rank
-        repeats another rank's forward. `routing`: (T, L, k) MoE routes of `packed` to replay, so the
-        predictor reads the hidden states of the experts the engine used, as in its training."""
+        Split over DP ranks: each (with its TP and PP peers) encodes its share of the trees holding
+        `nodes` (`balanced_bins` on tokens) and scores their nodes in the sub-layout `sub` (`local`:
+        their ids there; `hidden`: `sub`'s policy hidden states when `needs_hidden`, replaying
+        `routing`, the (T, L, k) engine routes of `packed`, if given); the sums over DP fill the vector."""
         g = self.groups
         out = torch.zeros(nodes.numel(), dtype=torch.float64, device=g.device)
         if nodes.numel() == 0:

@@ -51,4 +51,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 # The tests skip themselves where vLLM is missing; here that would hide a broken install.
 "$VENV/bin/python" -c "import vllm"
 # pytest's exit code is the stage's (5, no test collected, fails it too).
-exec "$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_routing.py tests/test_trainer_vllm.py "$@"
+exec "$VENV/bin/python" -m pytest -q -m vllm tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_fp32_head.py tests/rollout/test_vllm_routing.py \
+  tests/test_trainer_vllm.py "$@"

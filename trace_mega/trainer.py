@@ -146,7 +146,7 @@ class Trainer:
             with timer("step"):
                 tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]
                 batch = StepBatch.from_prompts(step, tasks, self.rollouts.prompt_ids(tasks))
-                batch.v_root = self._predict(batch.packed, batch.root_nodes(), allocator)  # plan roots
+                batch.v_root = self._predict(batch, batch.root_nodes(), allocator)  # plan roots
                 batch.rollouts = allocator.plan_roots(batch.v_root, gen).cpu()
                 with timer("rollout"):  # roll out (in rounds where the allocator refills: dapo)
                     grown, batch.rollouts, keep = self.rollouts.roll_out_rounds(
@@ -154,9 +154,7 @@ class Trainer:
                     )
                 batch.grow(grown, keep=keep)  # prompts given none, or dropped by the allocator, leave
                 batch.prefixes = cand = batch.prefix_candidates(cfg.rollout.max_turns - cfg.allocation.min_turns_left)
-                batch.v_prefix = self._predict(
-                    batch.packed, cand.node, allocator, self._routes(batch)
-                )  # score prefixes
+                batch.v_prefix = self._predict(batch, cand.node, allocator, replay=True)  # score prefixes
                 batch.continuations = allocator.plan_prefixes(
                     batch.v_prefix, cand.r.to(batch.v_prefix), cand.group.to(batch.v_prefix.device), batch.rollouts, gen
                 )
@@ -226,17 +224,17 @@ class Trainer:
         )
 
     def _predict(
-        self, packed: PackedTrees, nodes: torch.Tensor, allocator: Allocator, routing: Optional[torch.Tensor] = None
+        self, batch: StepBatch, nodes: torch.Tensor, allocator: Allocator, replay: bool = False
     ) -> torch.Tensor:
         """(S,) float64 predicted success of `nodes` of the step's layout, on the learner's device
-        (split over data-parallel ranks: `Learner.score_nodes`, replaying `routing`, the engine's MoE
-        routes, as the predictor's training states do); zeros, with no forward at all, for an
-        allocator that does not read them."""
+        (split over data-parallel ranks: `Learner.score_nodes`; with `replay`, the policy forward
+        replays the engine's MoE routes, as the predictor's training states do); zeros, with no
+        forward at all, for an allocator that does not read them."""
         if not allocator.uses_predictor:
             return torch.zeros(nodes.numel(), dtype=torch.float64, device=self.learner.groups.device)
-        return self.learner.score_nodes(
-            packed, nodes, self.predictor.predict, self.predictor.needs_policy_hidden, routing=routing
-        )
+        hidden = self.predictor.needs_policy_hidden
+        routing = self._routes(batch) if replay and hidden else None
+        return self.learner.score_nodes(batch.packed, nodes, self.predictor.predict, hidden, routing=routing)
 
     def _probe(self, batch: StepBatch) -> Optional[torch.Tensor]:
         """TRACE-C's (N,) probe values ℓ̄ on the step's final layout, when credit is enabled."""

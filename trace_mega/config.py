@@ -246,6 +246,9 @@ class ModelConfig:
     """MoE policies: `rollout` — the rollout engine records each token's experts in every MoE layer and
     the learner's policy forwards replay them (docs/learner.md, "MoE routing replay"); `none` — the
     learner routes on its own. Ignored for dense models."""
+    moe_replay_probe: bool = False
+    """With replay: one more no-grad policy forward per step routing on its own (same tokens, same
+    weights) gives `moe/own_routing_k3`, what `mismatch/k3` would be without replay (docs/learner.md)."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype."""
     attention_backend: Literal["auto", "sdpa", "tree_triton"] = "auto"

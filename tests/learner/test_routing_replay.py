@@ -68,6 +68,10 @@ def _check_replay(res: dict) -> None:
     assert m["moe/replayed_tokens"] == res["routed_tokens"]
     assert 0.3 < m["moe/replay_agreement"] < 0.99
     assert m["moe/replay_agreement"] == pytest.approx(res["expected_agreement"], abs=0.01)
+    # The replay probe: the same tokens routed on their own, beside the replayed mismatch.
+    assert m["mismatch/k3"] == pytest.approx(res["k3_replayed"], rel=1e-3)
+    assert m["moe/own_routing_k3"] == pytest.approx(res["k3_own"], rel=1e-3)
+    assert m["moe/own_routing_k3"] > 3 * m["mismatch/k3"]
 
 
 def test_replay_reproduces_the_engines_routing(hf_dir, tmp_path):
@@ -94,6 +98,8 @@ def test_unperturbed_engine_routes_agree_with_the_learners(hf_dir, tmp_path):
     res = _run(hf_dir, tmp_path, 1, 1, 1, noise=0.0)
     assert res["replay_vs_forced"] < 1e-4 and res["own_vs_forced"] < 1e-4
     assert res["metrics"]["moe/replay_agreement"] > 0.99
+    m = res["metrics"]  # the same routes: the probe's own-routing mismatch is the replayed one
+    assert m["moe/own_routing_k3"] == pytest.approx(m["mismatch/k3"], rel=1e-3, abs=1e-9)
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ COLUMNS = [
     ("mismatch/k3", "mismatch k3", ".1e", "mean"),
     ("loss/logprob_mismatch", "logprob mismatch", ".1e", "mean"),
     ("loss/clip_fraction", "clip frac", ".4f", "mean"),
+    ("moe/own_routing_k3", "k3 own routing", ".1e", "mean"),  # the replay probe (model.moe_replay_probe)
     ("moe/replay_agreement", "replay agree", ".3f", "mean"),
     ("alloc/effective_ratio", "eff ratio", ".2f", "mean"),
     ("reward/mean", "reward", ".3f", "mean"),

@@ -53,12 +53,19 @@ from trace_mega.learner.checkpoint import latest_checkpoint, load_checkpoint, sa
 from trace_mega.learner.convert import export_hf, load_hf_into, save_hf
 from trace_mega.learner.hf_files import policy_hf_config
 from trace_mega.learner.models import build_model, model_config_from_hf, output_weight, unwrap
-from trace_mega.learner.optim import build_optimizer, forward_only, megatron_packed_forward, train_step, wrap_ddp
+from trace_mega.learner.optim import (
+    build_optimizer,
+    forward_only,
+    megatron_packed_forward,
+    train_step,
+    update_metrics,
+    wrap_ddp,
+)
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
-from trace_mega.learner.routing_replay import install, take_metrics
+from trace_mega.learner.routing_replay import install, own_routing_sums, take_metrics
 from trace_mega.objective.advantages import Advantages
 from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, unit_count
-from trace_mega.objective.mismatch import correction_weights, mismatch_metrics, rollout_correction
+from trace_mega.objective.mismatch import correction_weights, rollout_correction
 from trace_mega.ops.attention import tree_attention_mask
 from trace_mega.ops.balance import balanced_bins, contrast_bins
 from trace_mega.ops.logprobs import packed_token_logprobs
@@ -77,50 +84,12 @@ class PolicyUpdate:
     """What `Learner.train_step` returns: the update's metrics and the states the predictor fits on."""
 
     metrics: dict[str, float]
-    """`loss/*` over all optimiser steps of the update (`_step_metrics`)."""
+    """`loss/*`, `mismatch/*` (and `moe/*`) over all optimiser steps of the update (`update_metrics`)."""
     hidden: torch.Tensor
     """(T_share, H) policy final hidden states, under the pre-update weights, of the trees `trees`
     (the layout `packed.select(trees)`), on every pipeline stage."""
     trees: list[int]
     """The trees (ascending indices into the step's layout) this data-parallel rank trained on."""
-
-
-_SUM_KEYS = ("loss_sum", "num_tokens", "mask_tokens")
-
-
-def _step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
-    """The metrics of one trainer step from its optimiser steps' reduced metrics.
-
-    Sums (``*_sum`` over units, ``*_tok_sum`` over loss tokens) are added up over the steps and
-    normalised once; maxima are maxima; grad_norm is the mean, lr the last, skipped the count.
-    """
-    total: dict[str, float] = {}
-    for raw in steps:
-        for k, v in raw.items():
-            if k.endswith("_max"):
-                total[k] = max(total.get(k, -math.inf), v)
-            elif k.endswith("_sum") or k in _SUM_KEYS:
-                total[k] = total.get(k, 0.0) + v
-    units = max(total.pop("num_tokens"), 1e-12)
-    tokens = max(total.pop("mask_tokens"), 1.0)
-    out = {
-        "loss/total": total.pop("loss_sum") / units,
-        "loss/units": units,
-        "loss/grad_norm": sum(r["grad_norm"] for r in steps) / len(steps),
-        "loss/lr": steps[-1]["lr"],
-        "loss/skipped": sum(r["skipped"] for r in steps),
-        "loss/optimizer_steps": float(len(steps)),
-    }
-    out.update(mismatch_metrics(total))  # mismatch/* and loss/logprob_mismatch, over the finite loss tokens
-    out["loss/token_entropy"] = total.pop("entropy_tok_sum") / tokens
-    for k, v in total.items():
-        if k.endswith("_tok_sum"):
-            out[f"loss/{k.removesuffix('_tok_sum')}"] = v / tokens
-        elif k.endswith("_sum"):
-            out[f"loss/{k.removesuffix('_sum')}"] = v / units
-        else:
-            out[f"loss/{k}"] = v
-    return out
 
 
 def resolve_model_config(cfg: TrainConfig):
@@ -379,7 +348,7 @@ class Learner:
         `loss.rollout_mask` / `rollout_reject` by 0 where that ratio or its divergence is extreme (`objective.mismatch`).
         Metrics are over all optimiser steps (unit-weighted means; ``*_max`` maxima). `routing`
         (T, L, k): the engine's MoE routes of `packed`, replayed by every policy forward here
-        (`moe/*` metrics; docs/learner.md).
+        (`moe/*` metrics; with `model.moe_replay_probe` also the own-routing mismatch; docs/learner.md).
 
         Returns the metrics and the hidden states under the pre-update weights of the trees this
         DP rank trained on (its share of every mini-batch), in stream order, on every pipeline
@@ -407,7 +376,7 @@ class Learner:
             for _ in range(opt.epochs_per_step)
             for batches in plans
         ]
-        metrics = _step_metrics(steps)
+        metrics = update_metrics(steps)
         if self.replays_routes:
             metrics |= take_metrics([self.policy], self.model_cfg.num_layers, g.device)
         return PolicyUpdate(metrics, self._to_all_stages(hidden), share)
@@ -452,6 +421,10 @@ class Learner:
             for b, h in zip(batches, forward_only(self.reference, batches)):
                 mb = b["loss"].packed
                 b["ref_logprobs"] = self._logprobs(h[0, : mb.num_tokens], self.reference, mb)
+        if routing is not None and self.cfg.model.moe_replay_probe:  # the same tokens, routed on their own
+            for b, h in zip(batches, forward_only(self.chunks[0], [dict(b, routing=None) for b in batches])):
+                mb = b["loss"].packed
+                b["own_routing_logprobs"] = self._logprobs(h[0, : mb.num_tokens], self.policy, mb)
         if single_update:  # the training forward fills the hidden rows and is its own old policy
             return batches
         for b, h in zip(batches, forward_only(self.chunks[0], batches)):
@@ -521,6 +494,8 @@ class Learner:
                 )
             metrics["entropy_tok_sum"] = (ent.detach() * mask).sum()
             metrics["mask_tokens"] = mask.sum().float()
+            if "own_routing_logprobs" in batch:  # the replay probe (`_prepare`)
+                metrics |= own_routing_sums(batch["own_routing_logprobs"], behaviour, mask)
             return out.loss * units, units, metrics
 
         return loss_fn

@@ -42,6 +42,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from trace_mega.config import OptimConfig, ParallelConfig
 from trace_mega.learner.models import unwrap
 from trace_mega.learner.parallel import ParallelGroups
+from trace_mega.learner.routing_replay import own_routing_metrics
+from trace_mega.objective.mismatch import mismatch_metrics
 from trace_mega.ops.attention import tree_attention_mask
 
 __all__ = ["wrap_ddp", "build_optimizer", "train_step", "forward_only", "megatron_packed_forward", "LossFn"]
@@ -125,6 +127,45 @@ def _loss_closure(loss_fn: LossFn, output: str, batch: dict, out: torch.Tensor):
     reported = {"loss_sum": loss_sum.detach().float(), "num_tokens": num_tokens.detach().float()}
     reported.update({k: v.detach().float() for k, v in metrics.items()})
     return loss_sum, num_tokens.to(torch.int), reported
+
+
+_SUM_KEYS = ("loss_sum", "num_tokens", "mask_tokens")
+
+
+def update_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of one trainer step from its optimiser steps' reduced metrics.
+
+    Sums (``*_sum`` over units, ``*_tok_sum`` over loss tokens) are added up over the steps and
+    normalised once; maxima are maxima; grad_norm is the mean, lr the last, skipped the count.
+    """
+    total: dict[str, float] = {}
+    for raw in steps:
+        for k, v in raw.items():
+            if k.endswith("_max"):
+                total[k] = max(total.get(k, -math.inf), v)
+            elif k.endswith("_sum") or k in _SUM_KEYS:
+                total[k] = total.get(k, 0.0) + v
+    units = max(total.pop("num_tokens"), 1e-12)
+    tokens = max(total.pop("mask_tokens"), 1.0)
+    out = {
+        "loss/total": total.pop("loss_sum") / units,
+        "loss/units": units,
+        "loss/grad_norm": sum(r["grad_norm"] for r in steps) / len(steps),
+        "loss/lr": steps[-1]["lr"],
+        "loss/skipped": sum(r["skipped"] for r in steps),
+        "loss/optimizer_steps": float(len(steps)),
+    }
+    out.update(mismatch_metrics(total))  # mismatch/* and loss/logprob_mismatch, over the finite loss tokens
+    out.update(own_routing_metrics(total))  # moe/own_routing_*: the replay probe, when it ran
+    out["loss/token_entropy"] = total.pop("entropy_tok_sum") / tokens
+    for k, v in total.items():
+        if k.endswith("_tok_sum"):
+            out[f"loss/{k.removesuffix('_tok_sum')}"] = v / tokens
+        elif k.endswith("_sum"):
+            out[f"loss/{k.removesuffix('_sum')}"] = v / units
+        else:
+            out[f"loss/{k}"] = v
+    return out
 
 
 def _optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:

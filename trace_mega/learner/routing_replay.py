@@ -29,6 +29,10 @@ implements the same hook.
   token-layer routes replayed and those where the policy's own top-k would have picked the same
   experts; `take_metrics` reduces them over all ranks: `moe/replay_agreement`,
   `moe/replayed_tokens`.
+* The replay probe (`model.moe_replay_probe`): the learner also runs the step's batch routing on its
+  own, under the same weights, and `own_routing_sums` compares those log-probs with the engine's on
+  the same loss tokens; `own_routing_metrics` gives `moe/own_routing_k3` next to `mismatch/k3`, so
+  replay's effect is measured on identical tokens, not across two diverging runs.
 """
 
 from __future__ import annotations
@@ -42,9 +46,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.random import is_checkpointing
 
+from trace_mega.objective.losses import LOG_RATIO_CLAMP
 from trace_mega.rollout.engines.routing import NO_ROUTE
 
-__all__ = ["RouteReplay", "install", "replaying", "take_metrics", "pad_routes"]
+__all__ = [
+    "RouteReplay",
+    "install",
+    "replaying",
+    "take_metrics",
+    "pad_routes",
+    "own_routing_sums",
+    "own_routing_metrics",
+]
 
 
 class RouteReplay:
@@ -164,4 +177,39 @@ def take_metrics(
     return {
         "moe/replay_agreement": agreed / replayed if replayed else float("nan"),
         "moe/replayed_tokens": replayed / num_layers,
+    }
+
+
+_OWN = "own_routing_"
+
+
+def own_routing_sums(own_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums for `own_routing_metrics` over one micro-batch: (T,) learner log-probs with the policy
+    routing on its own, (T,) the engine's, (T,) bool loss mask; tokens where either is not finite are
+    left out (as in `objective.mismatch`)."""
+    lp_o, lp_e = own_lp.detach().double(), engine_lp.detach().double()
+    ok = mask.to(lp_o.device) & torch.isfinite(lp_o) & torch.isfinite(lp_e)
+    x = torch.where(ok, lp_o - lp_e.to(lp_o.device), 0.0)  # (T,) log ratio, 0 where left out
+    xc = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {
+        f"{_OWN}tokens_sum": ok.sum().double(),
+        f"{_OWN}k3_sum": (torch.exp(xc) - 1.0 - xc).sum(),  # 0 where left out
+        f"{_OWN}abs_sum": x.abs().sum(),
+        f"{_OWN}logprob_abs_max": x.abs().max() if x.numel() else x.sum(),
+    }
+
+
+def own_routing_metrics(total: dict[str, float]) -> dict[str, float]:
+    """Pops the `own_routing_sums` keys from `total` (summed over micro-batches, ranks and optimiser
+    steps): `moe/own_routing_k3` (k3 KL between the engine and the learner routing on its own: what
+    `mismatch/k3` would be without replay), `moe/own_routing_logprob_mismatch` (mean |Δ log-prob|,
+    beside `loss/logprob_mismatch`) and `moe/own_routing_logprob_abs_max`; {} when the probe did not run."""
+    s = {k.removeprefix(_OWN): total.pop(k) for k in [k for k in total if k.startswith(_OWN)]}
+    if not s:
+        return {}
+    t = max(s["tokens_sum"], 1.0)
+    return {
+        "moe/own_routing_k3": s["k3_sum"] / t,
+        "moe/own_routing_logprob_mismatch": s["abs_sum"] / t,
+        "moe/own_routing_logprob_abs_max": s["logprob_abs_max"],
     }

@@ -7,7 +7,8 @@ std, so it routes some tokens elsewhere) generates small trees and captures its 
 learner's log-probs with and without replay are compared with a plain HF forward of every path
 whose routers are forced to the engine's experts (weights from the unperturbed router, as the
 learner's replay takes them). The first rank of the last pipeline stage (where the log-probs are)
-writes the differences, the predictor-scoring check and the replay metrics as JSON. Every rank saves its weights after the
+writes the differences, the predictor-scoring check, the replay metrics (the replay probe on) and
+the k3 of the replayed and the own-routing log-probs against the engine's as JSON. Every rank saves its weights after the
 replayed update to OUT_JSON.rank<r>.pt; RECOMPUTE=1 turns on activation recompute.
 """
 
@@ -108,7 +109,7 @@ def main() -> None:
     )
     recompute = len(sys.argv) > 8 and sys.argv[8] == "1"
     cfg = TrainConfig(
-        model=ModelConfig(hf_checkpoint=hf_dir, moe_routing_replay="rollout"),
+        model=ModelConfig(hf_checkpoint=hf_dir, moe_routing_replay="rollout", moe_replay_probe=True),
         parallel=ParallelConfig(
             device="cpu",
             tensor_model_parallel_size=tp,
@@ -146,6 +147,11 @@ def main() -> None:
     want_own = node_sums(packed, policy_hidden)
     forced, hf_own = forced_logprobs(hf_dir, trees, packed, routes)
     mask = packed.loss_mask & (packed.prev_index >= 0)
+
+    def k3(lp: torch.Tensor) -> float:  # k3 KL of the engine's sampling log-probs against `lp`
+        x = (lp.double() - packed.behaviour_logprobs.double())[packed.loss_mask]
+        return float((x.exp() - 1 - x).mean())
+
     given = routes[..., 0] >= 0  # (T, L)
     same = (routes.sort(-1).values == hf_own.sort(-1).values).all(-1) & given
     adv = compute_advantages(packed, trees, cfg.advantage)
@@ -168,6 +174,8 @@ def main() -> None:
                     "unrouted_tokens": int((~given[:, 0]).sum()),
                     "expected_agreement": float(same.sum() / given.sum()),
                     "metrics": metrics,
+                    "k3_replayed": k3(replayed),
+                    "k3_own": k3(own),
                 },
                 f,
             )

@@ -53,3 +53,21 @@ def test_bfloat16_engine_runs_its_head_in_float32(policy):
         assert abs(out.logprobs[0] - ref) < 0.05  # vLLM's CPU kernels round the bf16 decoder differently
     finally:
         eng.close()
+
+
+def test_a_vllm_that_ignores_head_dtype_fails_at_start_up(policy, monkeypatch):
+    """A vLLM whose logits processor has no `head_dtype` (before vLLM honoured it for generation models)
+    accepts the override and projects in bf16: the engine refuses to start, naming the field. The
+    installed vLLM's processor is stripped of the attribute to stand for such a version."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    init = LogitsProcessor.__init__
+
+    def old_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.head_dtype = None  # what a vLLM without generation-model head_dtype leaves in force
+
+    monkeypatch.setattr(LogitsProcessor, "__init__", old_init)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with pytest.raises(RuntimeError, match="rollout.lm_head_fp32"):
+        VLLMEngine(policy[0], dtype="bfloat16", max_model_len=256, max_num_seqs=4, lm_head_fp32=True)

@@ -157,6 +157,8 @@ class VLLMEngine(Engine):
                 "vLLM's engine core runs in another process: in-memory update_weights needs "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 before the first vLLM engine of the process"
             )
+        if lm_head_fp32:
+            self._check_head_dtype()
         self._vllm = vllm
         self._ids: dict[str, Hashable] = {}
         """External vLLM request id -> the caller's id, for the requests in flight."""
@@ -244,6 +246,21 @@ class VLLMEngine(Engine):
         if self._asleep:
             raise RuntimeError(f"{what}: the engine is asleep; call wake_up() first")
 
+    def _check_head_dtype(self) -> None:
+        """`rollout.lm_head_fp32` must reach the logits: a vLLM whose logits processor ignores
+        `head_dtype` would otherwise accept the override and silently project in bf16."""
+        from vllm import __version__
+
+        got = self.llm.apply_model(_head_dtype)
+        dtype = self.llm.llm_engine.model_config.dtype
+        if any(d != torch.float32 for d in got) and dtype != torch.float32:
+            self.close()
+            raise RuntimeError(
+                f"rollout.lm_head_fp32: vLLM {__version__} projects this {dtype} model's LM head in "
+                f"{got} (its logits processor does not honour hf_overrides head_dtype for generation models); "
+                "use a vLLM whose LogitsProcessor has head_dtype, or set rollout.lm_head_fp32: false"
+            )
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors into the running model in memory, then drop the stale prefix cache.
 
@@ -312,6 +329,12 @@ _EXPECTED_WARNINGS = {
 
 def _drop_expected(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith(_EXPECTED_WARNINGS[record.name])
+
+
+def _head_dtype(model: torch.nn.Module) -> Optional[torch.dtype]:
+    """The dtype the model's logits processor projects in (runs in each worker); None when it has no
+    `head_dtype` (vLLM before generation models honoured it: the head then runs in the model dtype)."""
+    return getattr(getattr(model, "logits_processor", None), "head_dtype", None)
 
 
 def _retie_lm_head(model: torch.nn.Module) -> None:

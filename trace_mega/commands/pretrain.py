@@ -135,7 +135,11 @@ class PretrainConfig:
 CACHE_VERSION = 2
 """Bumped when the transcript format or the training recipe changes (part of the cache key)."""
 
-KEYED_ONLY_OFF_DEFAULT = {("parallel", "recompute_activations"): False, ("optim", "contrasted_trees_per_mini_batch"): 0}
+KEYED_ONLY_OFF_DEFAULT = {
+    ("parallel", "recompute_activations"): False,
+    ("optim", "contrasted_trees_per_mini_batch"): 0,
+    ("model", "moe_replay_probe"): False,
+}
 """Fields added after CACHE_VERSION 2 whose default reproduces the earlier training: at that default
 they stay out of the key, so the warm starts cached before them are still found."""
 

@@ -8,7 +8,17 @@ from pathlib import Path
 import pytest
 from test_trainer import SMALL  # the tiny demo overrides every trainer test uses
 
-from trace_mega.commands.sweep import Grid, main, point_name, run_point, run_sweep, split_values, summarize
+from trace_mega.commands.sweep import (
+    Grid,
+    main,
+    markdown,
+    plot,
+    point_name,
+    run_point,
+    run_sweep,
+    split_values,
+    summarize,
+)
 from trace_mega.config import ConfigError
 from trace_mega.kernels._triton_env import INTERPRET_VAR
 
@@ -76,6 +86,31 @@ def test_a_failed_point_reports_its_exit_code_and_last_error(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_replay_probe_gets_a_column_and_its_own_bars(tmp_path):
+    """Points with `moe/own_routing_k3` (model.moe_replay_probe) show it beside `mismatch/k3`; a sweep
+    without the probe has no such column."""
+    base = {"time/step_s": 1.0, "perf/peak_memory_gib": 1.0, "mismatch/k3": 2e-5}
+    report = {
+        "config": "demo_moe_cpu.yaml",
+        "steps": 3,
+        "warmup_steps": 1,
+        "axes": [["seed", ["0", "1"]]],
+        "fixed": [],
+        "command": "trace-mega sweep ...",
+        "points": [
+            {"values": {"seed": str(i)}, "exit_code": 0, "error": "", "metrics": base | {"moe/own_routing_k3": 3e-5}}
+            for i in range(2)
+        ],
+    }
+    md = markdown(report)
+    assert "k3 own routing" in md and "| 3.0e-05 |" in md
+    plot(report, tmp_path / "probe.png")
+    assert (tmp_path / "probe.png").stat().st_size > 10_000
+    for p in report["points"]:
+        del p["metrics"]["moe/own_routing_k3"]
+    assert "k3 own routing" not in markdown(report)
+
+
 def test_sweep_over_one_and_two_processes_writes_table_json_and_plot(tmp_path, monkeypatch):
     """DP 1 and DP 2 (torchrun, gloo) of the tiny demo config, 2 steps each: both rows carry
     throughput per GPU, step-time phases, peak memory and mismatch."""

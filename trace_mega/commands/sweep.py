@@ -239,7 +239,8 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Four panels, one bar (group) per point: tokens per second per GPU, step time stacked by phase,
-    peak memory, and training-inference mismatch (k3, log scale)."""
+    peak memory, and training-inference mismatch (k3, log scale; with the replay probe, beside the
+    k3 the learner's own routing would have had)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,7 +277,13 @@ def plot(report: dict, path: Path) -> None:
     mem.bar(x, metric("perf/peak_memory_gib"), color="tab:purple")
     mem.set_ylabel("peak memory, GiB (rank 0)")
     k3 = [v if v > 0 else float("nan") for v in metric("mismatch/k3")]
-    mis.bar(x, k3, color="tab:red")
+    if any("moe/own_routing_k3" in p["metrics"] for p in pts):  # the replay probe: both, side by side
+        own = [v if v > 0 else float("nan") for v in metric("moe/own_routing_k3")]
+        mis.bar([i - 0.2 for i in x], k3, width=0.4, color="tab:red", label="replayed")
+        mis.bar([i + 0.2 for i in x], own, width=0.4, color="tab:orange", label="own routing (probe)")
+        mis.legend(fontsize=7)
+    else:
+        mis.bar(x, k3, color="tab:red")
     if any(v == v for v in k3):
         mis.set_yscale("log")
     mis.set_ylabel("mismatch k3 (engine || learner)")

@@ -38,6 +38,10 @@ def test_unknown_key_names_the_dotted_field():
         ),
         ({"loss": {"rollout_reject_max": 0.0}}, r"^loss\.rollout_reject_max: must be > 0"),
         ({"loss": {"rollout_is_batch_normalize": True}}, r"^loss\.rollout_is_batch_normalize: normalises"),
+        (
+            {"model": {"moe_replay_probe": True, "moe_routing_replay": "none"}},
+            r"^model\.moe_replay_probe: compares replayed with own routing",
+        ),
     ],
 )
 def test_bad_values_fail_at_load_with_the_field(data, pattern):

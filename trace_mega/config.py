@@ -261,6 +261,8 @@ class ModelConfig:
             "top-1 routing with renormalised weights (all 1) is not representable by "
             "megatron-core's router; set it false (weight = the softmax probability)",
         )
+        require(not self.moe_replay_probe or self.moe_routing_replay == "rollout", "moe_replay_probe",
+                "compares replayed with own routing: it needs moe_routing_replay: rollout")  # fmt: skip
 
 
 @dataclass

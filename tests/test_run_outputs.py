@@ -160,3 +160,13 @@ def test_console_filter():
     )
     assert not rank1.filter(rec("trace_mega", logging.INFO)) and rank1.filter(rec("trace_mega", logging.WARNING))
     assert not rank1.filter(rec("vllm.engine", logging.WARNING)) and rank1.filter(rec("vllm.engine", logging.ERROR))
+
+
+def test_the_step_line_shows_the_unreplayed_mismatch_only_when_the_probe_ran(tmp_path):
+    from trace_mega.telemetry import MetricsSink
+
+    sink = MetricsSink(tmp_path, tensorboard=False, enabled=False)
+    plain = sink.log(3, {"reward/mean": 0.5, "mismatch/k3": 2e-5})
+    probed = sink.log(3, {"reward/mean": 0.5, "mismatch/k3": 2e-5, "moe/own_routing_k3": 3e-5})
+    assert "mismatch 2.0e-05" in plain and "unreplayed" not in plain
+    assert "mismatch 2.0e-05 | unreplayed 3.0e-05" in probed

@@ -196,6 +196,7 @@ LOG_LINE_KEYS = [
     ("loss/kl_ref", "kl {:.4f}"),
     ("loss/token_entropy", "ent {:.3f}"),
     ("mismatch/k3", "mismatch {:.1e}"),  # k3 KL(engine || learner): docs/learner.md "Training–inference mismatch"
+    ("moe/own_routing_k3", "unreplayed {:.1e}"),  # the same without replay (model.moe_replay_probe)
     ("rollout/generated_tokens", "gen {:.0f}tok"),
     ("rollout/prefill_tokens_saved", "saved {:.0f}tok"),
     ("time/step_s", "{:.1f}s"),

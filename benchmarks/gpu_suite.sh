@@ -120,11 +120,11 @@ else
   # (step time by phase, tokens/s per GPU, peak memory, mismatch): docs/learner.md "Scaling sweeps".
   run_step sweep_demo "$BENCH_LIMIT" "sweep/sweep.json" "$PY" -m trace_mega sweep --config demo_cpu --steps 3 \
     --out "$OUT_DIR/sweep" parallel.device=cpu,cuda allocation.prompts_per_step=8 telemetry.progress_bars=false
-  # MoE routing replay on the device: the MoE demo (random init, engine bf16, learner fp32) with the
+  # MoE routing replay on the device: the MoE demo (random init, engine bf16 with its fp32 head, learner fp32) with the
   # replay probe, so `moe/own_routing_k3` beside `mismatch/k3` gives replay's cut on CUDA kernels'
   # routing flips (docs/learner.md "MoE routing replay").
   run_step sweep_moe_probe "$BENCH_LIMIT" "sweep_moe/sweep.json" "$PY" -m trace_mega sweep --config demo_moe_cpu \
-    --steps 6 --out "$OUT_DIR/sweep_moe" parallel.device=cuda model.moe_replay_probe=true rollout.lm_head_fp32=true,false \
+    --steps 6 --out "$OUT_DIR/sweep_moe" parallel.device=cuda model.moe_replay_probe=true \
     allocation.prompts_per_step=8 eval.every_steps=0 telemetry.progress_bars=false
 fi
 

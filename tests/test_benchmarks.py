@@ -56,3 +56,15 @@ def test_every_benchmark_loads_and_has_json_flag(name, capsys):
 def test_unknown_benchmark_names_the_valid_ones():
     with pytest.raises(KeyError, match="valid names: allocation"):
         load_benchmark("nope")
+
+
+def test_grad_noise_fit_recovers_the_signal_and_the_noise():
+    """E|g_B|^2 = |G|^2 + S/B: the least-squares fit on 1/B returns |G|^2 and S of exact means, and
+    the bootstrap's intervals hold them for samples spread around those means."""
+    module = load_benchmark("grad_noise")
+    batches, g2, s = [16, 32, 64, 128], 0.01, 1.6
+    assert module.fit(batches, [g2 + s / b for b in batches]) == pytest.approx((g2, s))
+    samples = [[(g2 + s / b) * f for f in (0.5, 1.0, 1.5)] for b in batches]
+    ci = module.bootstrap(batches, samples, reps=200)
+    assert ci["G2"][0] <= g2 <= ci["G2"][1] and ci["S"][0] <= s <= ci["S"][1]
+    assert ci["B_simple"][0] <= s / g2 <= ci["B_simple"][1]

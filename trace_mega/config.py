@@ -1,9 +1,5 @@
-"""Typed dataclass configs, one per component, and the top-level `TrainConfig`.
-
-YAML files in `configs/` only set these fields; unknown keys are errors that
-name the dotted field path (see `configbase.load_config`). Each field has a
-docstring; units are in the names.
-"""
+"""Typed dataclass configs, one per component, and the top-level `TrainConfig`. YAML in `configs/` only
+sets fields; unknown keys are errors naming the dotted path (`configbase.load_config`); units in names."""
 
 from __future__ import annotations
 
@@ -261,8 +257,8 @@ class ModelConfig:
             "top-1 routing with renormalised weights (all 1) is not representable by "
             "megatron-core's router; set it false (weight = the softmax probability)",
         )
-        require(not self.moe_replay_probe or self.moe_routing_replay == "rollout", "moe_replay_probe",
-                "compares replayed with own routing: it needs moe_routing_replay: rollout")  # fmt: skip
+        msg = "compares replayed with own routing: it needs moe_routing_replay: rollout"
+        require(not self.moe_replay_probe or self.moe_routing_replay == "rollout", "moe_replay_probe", msg)
 
 
 @dataclass

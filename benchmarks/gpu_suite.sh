@@ -93,8 +93,10 @@ run_step() {
 }
 
 # bench_trainer.py times the CPU demo config end to end (tiny model, CPU device): not a GPU measurement;
-# bench_grad_noise.py trains the CPU demo for half an hour: a measurement of the method, not of the device.
-BENCHES=$(ls "$ROOT"/benchmarks/bench_*.py 2>/dev/null | grep -v '/bench_trainer\.py$\|/bench_grad_noise\.py$' | sort)
+# bench_grad_noise.py trains the CPU demo for half an hour and bench_prompt_selection.py reads finished
+# demo runs: measurements of the method, not of the device.
+BENCHES=$(ls "$ROOT"/benchmarks/bench_*.py 2>/dev/null \
+  | grep -v '/bench_trainer\.py$\|/bench_grad_noise\.py$\|/bench_prompt_selection\.py$' | sort)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 if [ $DRY -eq 1 ]; then
   export TRITON_INTERPRET=1

@@ -68,3 +68,26 @@ def test_grad_noise_fit_recovers_the_signal_and_the_noise():
     ci = module.bootstrap(batches, samples, reps=200)
     assert ci["G2"][0] <= g2 <= ci["G2"][1] and ci["S"][0] <= s <= ci["S"][1]
     assert ci["B_simple"][0] <= s / g2 <= ci["B_simple"][1]
+
+
+def test_prompt_selection_ranks_by_what_each_rule_knows(tmp_path):
+    """Level 3 is half solved and half unsolved prompts (its mean, 0.5, looks the most contrasted);
+    level 2 succeeds 3 times in 4 on every prompt. Only a rule that sees the distance, or that ranks
+    by the share of contrasted groups, takes level 2; the run's kept contrast is read back."""
+    module = load_benchmark("prompt_selection")
+    tasks = [
+        dict(task_id=f"levels-0-{d}-3", group="ice3", rewards=[float(d == 1)] * 8) for d in (1, 2) for _ in range(4)
+    ]
+    tasks += [dict(task_id=f"levels-0-{d}-2", group="ice2", rewards=[1.0, 1.0, 1.0, 0.0] * 2) for d in (1, 2, 3, 4)]
+    run = tmp_path / "arm" / "seed0"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "step_00000010.json").write_text(json.dumps({"tasks": tasks}))
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps({"alloc/contrasted_prompts": c}) for c in (1.0, 3.0)))
+    out = module.main(["--runs", str(run), "--measured", str(run), "--pool", "12", "--draws", "400", "--json", ""])
+    got = {r["rule"]: r["contrasted"] for r in out["rules"]}
+    assert got["level"] == 0.0  # picks the half-solved, half-unsolved level
+    assert got["level (contrast)"] == got["level+distance"] == got["own group"] == 4.0
+    assert got["uniform"] == pytest.approx(4 * 4 / 12, abs=0.15)
+    assert out["measured"] == [dict(arm=str(run.parent), runs=1, contrasted=2.0)]
+    with pytest.raises(ValueError, match="levels-S-G-L"):
+        module.features("walk-1-2-0.9")

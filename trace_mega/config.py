@@ -45,8 +45,7 @@ class AllocationConfig:
     step uses the allocator's predictor-free counterpart (trace, trace_global -> treepo; pcl ->
     uniform); the predictor keeps fitting meanwhile (`trace_mega.predictor.guard`)."""
     fallback_skill_decay: float = 0.8
-    """EMA decay of the Brier scores the guard pools (window ≈ 1 / (1 - decay) steps; 0: the
-    newest step alone)."""
+    """EMA decay of the Brier scores the guard pools (window ≈ 1 / (1 - decay) steps; 0: the newest alone)."""
     fallback_skill_threshold: float = 0.0
     """Smoothed Brier skill below which the guard falls back (0: worse than the constant)."""
     exploration_fraction: float = 0.0
@@ -58,8 +57,7 @@ class AllocationConfig:
     once that many are kept and the last round's surplus is cut. None: trajectories_per_step //
     group_size, every group the budget can generate (docs/allocation.md "DAPO dynamic sampling")."""
     dapo_groups_per_round: Optional[int] = None
-    """dapo: prompts drawn per round, `group_size` rollouts each (verl's `data.gen_batch_size`).
-    None: the target, `dapo_target_groups`."""
+    """dapo: prompts drawn per round, `group_size` rollouts each (verl's `data.gen_batch_size`; None: the target)."""
 
     def validate(self) -> None:
         require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
@@ -94,8 +92,7 @@ class PredictorConfig:
     prefix_sample_fraction: Optional[float] = None
     """Fraction of training samples that are prefixes (rest roots); None keeps the natural mix. Logged either way."""
     replay_decay: float = 1.0
-    """Staleness weighting of the replay window: a batch k steps old weighs replay_decay**k
-    relative to the newest (1.0: all equal)."""
+    """Staleness weighting of the replay window: a batch k steps old weighs replay_decay**k (1.0: all equal)."""
     weight_decay: float = 0.0
     """AdamW weight decay of the predictor's parameters: shrinks a value head towards the
     anchored constant (`anchor_at_mean`) when its features carry no signal."""
@@ -110,11 +107,12 @@ class PredictorConfig:
     so a shared head predicts about the same value for every prompt (docs/allocation.md
     "The root head and a minimum group")."""
     root_token_bag: bool = False
-    """root_head: add to each prompt's logit a learned weight per vocabulary token, summed over the
-    prompt's tokens (a bag of tokens). A prompt word the policy has no use for yet, such as
-    `wall`, shapes neither its state at the prompt's last token nor the mean of its states (both
-    are shaped to predict the next token); the bag reads the words themselves and does not drift
-    with the policy (docs/allocation.md "All-0 prompts and a level to learn")."""
+    """root_head: add the logit of a bag of the prompt's tokens, read from the words themselves, not from
+    the policy's state (trace_mega/predictor/token_bag.py; docs/allocation.md "All-0 prompts and a level to learn")."""
+    root_bag_pair_buckets: int = 0
+    """root_token_bag: also a feature per adjacent token pair, hashed into this many buckets (0: none)."""
+    root_bag_hidden_size: int = 0
+    """root_token_bag: 0, a logit per feature; above 0, embeddings of this width through ReLU and a linear layer."""
     calibration_bins: int = 10
     """Bins of the ECE / reliability curve."""
 
@@ -128,6 +126,9 @@ class PredictorConfig:
         require(f is None or 0.0 <= f <= 1.0, "prefix_sample_fraction", "must be in [0, 1]")
         require(not self.root_head or self.backend == "value_head", "root_head", "is a value_head option")
         require(not self.root_token_bag or self.root_head, "root_token_bag", "is a root_head option")
+        for name in ("root_bag_pair_buckets", "root_bag_hidden_size"):
+            require(getattr(self, name) >= 0 and (not getattr(self, name) or self.root_token_bag), name,
+                    "must be >= 0, and set only with root_token_bag")  # fmt: skip
 
 
 @dataclass

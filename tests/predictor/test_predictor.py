@@ -309,7 +309,7 @@ def test_root_token_bag_reads_a_word_the_last_tokens_state_does_not_carry():
     turns = torch.nonzero(packed.node_parent >= 0).flatten()
     assert pred.predict(packed, turns, hidden).shape == turns.shape
     # the bag's weights moved only on the prompts' tokens, and most on the word that decides
-    w = pred.root_bag.detach()
+    w = pred.root_bag.table[:, 0].detach()
     assert w[6] == 0 and w[1] < -1.0 and w[1] < w[2]
 
 
@@ -317,6 +317,54 @@ def test_root_token_bag_is_a_root_head_option():
     with pytest.raises(ValueError, match="root_token_bag"):
         PredictorConfig(root_token_bag=True).validate()
     PredictorConfig(root_head=True, root_token_bag=True).validate()
+    for name in ("root_bag_pair_buckets", "root_bag_hidden_size"):
+        with pytest.raises(ValueError, match=name):
+            PredictorConfig(root_head=True, **{name: 4}).validate()
+        with pytest.raises(ValueError, match=name):
+            PredictorConfig(root_head=True, root_token_bag=True, **{name: -1}).validate()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pairs", "width", "learns"), [(0, 16, False), (64, 0, False), (64, 16, True)])
+def test_token_bag_reads_an_order_and_an_interaction_only_with_pairs_and_a_hidden_layer(pairs, width, learns):
+    """Prompts [5, a, 6, b, 7], a and b in 1..3, solved half the time when b = a + 1, never otherwise (as a
+    goal's distance from the start decides a walk). Single tokens cannot tell (1, 2) from (2, 1), and a
+    sum of per-pair logits is additive in a and b, which b = a + 1 is not: only pairs through a hidden
+    layer fit it. The policy's state at the last token is the same for every prompt."""
+    trees = []
+    for a in (1, 2, 3):
+        for b in (1, 2, 3):
+            t = RolloutTree(f"p{a}{b}", [5, a, 6, b, 7])
+            for reward in (1.0, 0.0) if b == a + 1 else (0.0, 0.0):
+                t.add_path(0, [_turn(4)], reward)
+            trees.append(t)
+    packed = pack(trees)
+    s = predictor_samples(packed)
+    hidden = torch.nn.functional.one_hot(packed.tokens, 8).float()
+    cfg = PredictorConfig(
+        lr=0.1, updates_per_step=300, root_head=True, anchor_at_mean=True, root_token_bag=True,
+        root_bag_pair_buckets=pairs, root_bag_hidden_size=width,
+    )  # fmt: skip
+    pred = build_predictor(cfg, hidden_size=8, vocab_size=8)
+    untrained = pred.predict(packed, s.node, hidden)
+    assert torch.allclose(untrained, torch.full_like(untrained, 0.5))  # the bag starts at exactly 0
+    pred.fit(packed, s, hidden)
+    err = float((pred.predict(packed, s.node, hidden) - s.target).abs().max())
+    assert (err < 0.1) if learns else (err > 0.2), err
+
+
+def test_token_bag_pairs_stay_inside_each_prompt():
+    """The features of two packed prompts: each one's tokens, then its adjacent pairs, hashed as
+    vocab + (a * vocab + b) % buckets; no pair spans two prompts."""
+    from trace_mega.predictor.token_bag import PromptTokenBag
+
+    packed = pack([RolloutTree("p0", [1, 2, 3]), RolloutTree("p1", [4, 5])])
+    roots = torch.nonzero(packed.node_parent < 0).flatten()
+    ids, offsets = PromptTokenBag(8, pair_buckets=64).features(packed, roots)
+    assert offsets.tolist() == [0, 5]
+    assert ids.tolist() == [1, 2, 3, 8 + 10, 8 + 19, 4, 5, 8 + 37]
+    ids, offsets = PromptTokenBag(8).features(packed, roots)
+    assert ids.tolist() == [1, 2, 3, 4, 5] and offsets.tolist() == [0, 3]
 
 
 def test_root_skill_is_the_roots_held_out_brier_against_their_previous_mean():

@@ -34,6 +34,7 @@ from trace_mega.config import PredictorConfig
 from trace_mega.kernels.boundary_scoring import boundary_scores
 from trace_mega.predictor.calibration import Calibration, calibration
 from trace_mega.predictor.targets import PredictorSamples, predictor_samples
+from trace_mega.predictor.token_bag import PromptTokenBag
 from trace_mega.registry import Registry
 from trace_mega.rollout.tree import PackedTrees
 
@@ -268,8 +269,8 @@ PREDICTORS: Registry[type[Predictor]] = Registry("predictor backend")
 @PREDICTORS.register("value_head")
 class ValueHeadPredictor(Predictor):
     """sigmoid(w · h + b) on the policy's final hidden state at each node's last token
-    (with `cfg.root_head`, a second (w, b) for the roots; with `cfg.root_token_bag`, plus a
-    learned logit per token summed over the prompt's tokens)."""
+    (with `cfg.root_head`, a second (w, b) for the roots; with `cfg.root_token_bag`, plus the
+    logit of a bag of the prompt's tokens, `PromptTokenBag`)."""
 
     needs_policy_hidden = True
 
@@ -280,8 +281,11 @@ class ValueHeadPredictor(Predictor):
         for head in filter(None, (self.head, self.root_head)):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)  # starts at 0.5 everywhere (or at the anchor): the uninformed prior
-        # (V,) a logit per token, summed over the prompt's tokens (zero: adds nothing until fitted).
-        self.root_bag = nn.Parameter(torch.zeros(vocab_size)) if cfg.root_token_bag else None
+        self.root_bag = (
+            PromptTokenBag(vocab_size, cfg.root_bag_pair_buckets, cfg.root_bag_hidden_size)
+            if cfg.root_token_bag
+            else None
+        )  # adds exactly 0 until fitted
         self.build_optimizer()
 
     def node_logits(self, packed, nodes, hidden):
@@ -295,7 +299,7 @@ class ValueHeadPredictor(Predictor):
         root = self._scores(hidden, positions, self.root_head)
         if self.root_bag is not None:
             bag = torch.zeros_like(root)
-            bag[is_root] = _node_token_sums(packed, self.root_bag, nodes[is_root.cpu()]).to(root)
+            bag[is_root] = self.root_bag(packed, nodes[is_root.cpu()]).to(root)
             root = root + bag
         return torch.where(is_root, root, out)
 
@@ -304,19 +308,6 @@ class ValueHeadPredictor(Predictor):
         return boundary_scores(
             hidden.detach(), positions, head.weight.view(-1), head.bias.view(()), return_logits=True
         )[1]
-
-
-def _node_token_sums(packed: PackedTrees, weight: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-    """(S,) Σ weight[token] over the tokens of each of `nodes` (S,): a bag-of-tokens logit, `weight`
-    (V,) a width-1 embedding. Reads only those nodes' tokens (a node's are one stream range)."""
-    dev = weight.device
-    start, end = packed.node_start[nodes.cpu()], packed.node_end[nodes.cpu()]  # (S,) stream ranges
-    lens = end - start
-    first = lens.cumsum(0) - lens  # (S,) offsets of the bags in their concatenation
-    owner = torch.repeat_interleave(torch.arange(nodes.numel()), lens)
-    idx = torch.arange(int(lens.sum())) + (start - first)[owner]  # (Σ lens,) stream indices
-    bags = F.embedding_bag(packed.tokens[idx].to(dev), weight.view(-1, 1), first.to(dev), mode="sum")
-    return bags.view(-1)
 
 
 class _Block(nn.Module):

@@ -28,9 +28,12 @@ class AllocationConfig:
     rollouts_per_prompt_max: int = 8
     """M_max: the most bare rollouts one prompt may get (m_i in {0} ∪ {rollouts_per_prompt_min..M_max})."""
     rollouts_per_prompt_min: int = 2
-    """trace / trace_global: the smallest group, m_i in {0} ∪ {min..M_max}. 2 is the paper's (design.md §3.2);
-    `group_size` gives no group fewer rollouts than the baselines' (an exact DP then solves the root
-    allocation; docs/allocation.md "The root head and a minimum group")."""
+    """trace / trace_global: the smallest group, m_i in {0} ∪ {min..M_max}; 2 is the paper's (design.md §3.2), `group_size`
+    gives no group fewer rollouts than the baselines' (docs/allocation.md "The root head and a minimum group")."""
+    root_selection: Literal["solver", "sampled"] = "solver"
+    """trace / trace_global: solver, the exact root solver on the predictions; sampled, each candidate in random order is
+    accepted with its predicted chance that a `group_size` group is contrasted and the solver serves the first accepted
+    ones alike: dynamic sampling's kept prompts, without generating the dropped groups (docs/allocation.md)."""
     group_size: int = 4
     """Fixed group size used by uniform / pcl / treepo (budget / group_size prompts are active)."""
     continuations_per_rollout: float = 1.0
@@ -38,8 +41,8 @@ class AllocationConfig:
     continuations_per_prefix_max: Optional[int] = None
     """Cap on continuations branched from one prefix (None: no cap)."""
     min_turns_left: int = 2
-    """Branch only from prefixes with at least this many of `rollout.max_turns` left (1: every prefix); one
-    left can only answer (docs/allocation.md "Branch points near the turn limit")."""
+    """Branch only from prefixes with at least this many of `rollout.max_turns` left (1: every prefix; one left can only
+    answer: docs/allocation.md "Branch points near the turn limit")."""
     predictor_fallback: bool = True
     """When the predictor's smoothed held-out skill is below `fallback_skill_threshold`, the next
     step uses the allocator's predictor-free counterpart (trace, trace_global -> treepo; pcl ->
@@ -66,11 +69,8 @@ class AllocationConfig:
         require(self.rollouts_per_prompt_max >= 2, "rollouts_per_prompt_max", "must be >= 2")
         require(self.group_size >= 2, "group_size", "must be >= 2 (a lone rollout has no contrast)")
         require(self.min_turns_left >= 1, "min_turns_left", "must be >= 1 (1: every prefix is a branch point)")
-        require(
-            2 <= self.rollouts_per_prompt_min <= self.rollouts_per_prompt_max,
-            "rollouts_per_prompt_min",
-            "must lie in [2, rollouts_per_prompt_max]",
-        )
+        lo, hi = self.rollouts_per_prompt_min, self.rollouts_per_prompt_max
+        require(2 <= lo <= hi, "rollouts_per_prompt_min", "must lie in [2, rollouts_per_prompt_max]")
         require(self.continuations_per_rollout >= 0, "continuations_per_rollout", "must be >= 0")
         require(0.0 <= self.fallback_skill_decay < 1.0, "fallback_skill_decay", "must be in [0, 1)")
         require(0.0 <= self.exploration_fraction <= 1.0, "exploration_fraction", "must be in [0, 1]")
@@ -87,8 +87,7 @@ class PredictorConfig:
     updates_per_step: int = 4
     """Optimiser steps on the newest trees per trainer step."""
     replay_steps: int = 1
-    """Train on the trees of the newest this-many steps (1: the newest only, as in the paper).
-    The window is not checkpointed: a resumed run starts it empty."""
+    """Train on the trees of the newest this-many steps (1: the newest only, as in the paper); not checkpointed."""
     prefix_sample_fraction: Optional[float] = None
     """Fraction of training samples that are prefixes (rest roots); None keeps the natural mix. Logged either way."""
     replay_decay: float = 1.0

@@ -188,3 +188,26 @@ def test_trace_minimum_group_is_the_baselines_group_size(explore):
         assert root_objective(v.tolist(), m.tolist()) == pytest.approx(roots_dp(v.tolist(), 32, 8, 4)[1], abs=1e-9)
     with pytest.raises(ValueError, match="rollouts_per_prompt_min"):
         build_allocator(dataclasses.replace(cfg, root_rollouts_per_step=3))
+
+
+def test_trace_sampled_roots_serve_prompts_in_proportion_to_their_contrast():
+    """root_selection=sampled, one group of 4 a step from 16 candidates at v = 1/2 (a contrasted group
+    of 4 with chance 0.875) and 16 at v = 0.9 (0.344): the solver alone always takes a v = 1/2 one; the
+    sampled plan takes each kind about in proportion to that chance (dynamic sampling's kept groups),
+    never a solved prompt (v = 1, chance 0) while others are accepted, and is a function of the generator."""
+    v = torch.tensor([0.5] * 16 + [0.9] * 16 + [1.0] * 16)
+    base = dict(name="trace", prompts_per_step=48, root_rollouts_per_step=4, rollouts_per_prompt_max=4)
+    base |= dict(rollouts_per_prompt_min=4, group_size=4)
+    solver = build_allocator(AllocationConfig(**base))
+    sampled = build_allocator(AllocationConfig(**base, root_selection="sampled"))
+    picks = {"half": 0, "high": 0, "solved": 0}
+    for seed in range(600):
+        assert bool((solver.plan_roots(v, torch.Generator().manual_seed(seed))[:16] == 4).any())
+        m = sampled.plan_roots(v, torch.Generator().manual_seed(seed))
+        assert int(m.sum()) == 4 and int((m > 0).sum()) == 1
+        i = int(torch.nonzero(m)[0, 0])
+        picks["half" if i < 16 else "high" if i < 32 else "solved"] += 1
+    assert picks["solved"] == 0
+    assert 2.0 < picks["half"] / picks["high"] < 3.2  # 0.875 / 0.344 = 2.54
+    again = sampled.plan_roots(v, torch.Generator().manual_seed(7))
+    assert torch.equal(again, sampled.plan_roots(v, torch.Generator().manual_seed(7)))

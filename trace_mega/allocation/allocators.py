@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 
 from trace_mega.allocation.prefix import allocate_prefixes
-from trace_mega.allocation.root import allocate_roots, spendable
+from trace_mega.allocation.root import allocate_roots, root_value, spendable
 from trace_mega.config import AllocationConfig
 from trace_mega.registry import Registry
 
@@ -440,6 +440,12 @@ class TraceAllocator(_Tree):
         v = self._clean(v_root)
         perm = torch.argsort(random_keys(v.numel(), generator, v.device)) if generator is not None else None
         v = v if perm is None else v[perm]
+        if self.cfg.root_selection == "sampled":
+            # Dynamic sampling keeps a drawn prompt when its group turns out contrasted; here a coin with the
+            # predicted chance of that decides, and the accepted ones look alike to the solver (v = 1/2), so it
+            # serves the first of them in the random order: prompts in proportion to their chance, not the top.
+            accept = random_keys(v.numel(), generator, v.device) < root_value(v, self.cfg.group_size)
+            v = torch.where(accept, 0.5, 0.0).to(v)
         # Exploration floor: the last n prompts of the (random) order get the smallest group (2 by
         # default) whatever their prediction, the solver spends the rest. Their v = 0 has gain 0 and
         # ties go to lower indices, so the solver gives them more only when every other prompt is at the cap.

@@ -93,10 +93,11 @@ run_step() {
 }
 
 # bench_trainer.py times the CPU demo config end to end (tiny model, CPU device): not a GPU measurement;
-# bench_grad_noise.py trains the CPU demo for half an hour and bench_prompt_selection.py reads finished
-# demo runs: measurements of the method, not of the device.
+# bench_grad_noise.py trains the CPU demo for half an hour; bench_prompt_selection.py and
+# bench_learning_per_trajectory.py read finished demo runs: measurements of the method, not of the device.
 BENCHES=$(ls "$ROOT"/benchmarks/bench_*.py 2>/dev/null \
-  | grep -v '/bench_trainer\.py$\|/bench_grad_noise\.py$\|/bench_prompt_selection\.py$' | sort)
+  | grep -v '/bench_trainer\.py$\|/bench_grad_noise\.py$\|/bench_prompt_selection\.py$\|/bench_learning_per_trajectory\.py$' \
+  | sort)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 if [ $DRY -eq 1 ]; then
   export TRITON_INTERPRET=1

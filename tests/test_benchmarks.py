@@ -91,3 +91,32 @@ def test_prompt_selection_ranks_by_what_each_rule_knows(tmp_path):
     assert out["measured"] == [dict(arm=str(run.parent), runs=1, contrasted=2.0)]
     with pytest.raises(ValueError, match="levels-S-G-L"):
         module.features("walk-1-2-0.9")
+
+
+def test_learning_per_trajectory_compares_arms_run_apart(tmp_path):
+    """Two seeds per arm, an eval every 2 steps: the threshold is uniform's seed-mean final, trajectories
+    to it come from the seed-mean curve, and `--kept` moves an arm onto the trajectories it trained on."""
+    module = load_benchmark("learning_per_trajectory")
+
+    def write(arm, seed, evals, generated, kept):
+        run = tmp_path / arm / f"seed{seed}"
+        run.mkdir(parents=True)
+        rows = []
+        for step, y in enumerate(evals):
+            r = {"step": step, "alloc/generated_trajectories": generated, "alloc/trajectories": kept}
+            r |= {"alloc/contrasted_prompts": 1.0, "eval/test/reward": y} if y is not None else {}
+            rows.append(r | {"alloc/contrasted_prompts": 1.0})
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+    for seed, final in enumerate((0.5, 0.7)):  # uniform: threshold 0.6, reached at its last eval (64 trajectories)
+        write("uniform", seed, [None, 0.2, None, 0.4, None, final - 0.1, None, final], 8, 8)
+    for seed in range(2):  # the other arm: 0.6 after 4 steps, but it generated 4x what it kept
+        write("ceiling", seed, [None, 0.3, None, 0.6, None, 0.6, None, 0.6], 32, 8)
+    argv = ["--arm", f"uniform={tmp_path}/uniform/seed*", "--arm", f"ceiling={tmp_path}/ceiling/seed*", "--json", ""]
+    out = module.main(argv)
+    rows = {r["arm"]: r for r in out["rows"]}
+    assert out["threshold"] == pytest.approx(0.6)
+    assert rows["uniform"]["to"] == 64 and rows["uniform"]["per_seed"] == "never / 48"
+    assert rows["ceiling"]["to"] == 128 and rows["ceiling"]["ratio"] == pytest.approx(2.0)
+    rows = {r["arm"]: r for r in module.main(argv + ["--kept", "ceiling"])["rows"]}
+    assert rows["ceiling (kept)"]["to"] == 32 and rows["ceiling (kept)"]["ratio"] == pytest.approx(0.5)

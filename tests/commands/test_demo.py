@@ -96,6 +96,7 @@ def test_learning_curve_measures():
     assert curve_auc(curve, 30.0) == pytest.approx(0.4)  # the mean of a straight line from 0.2 to 0.6
     assert curve_auc(curve, 25.0) == pytest.approx(0.3)  # cut at 25 (0.4 there): mean of 0.2..0.4
     assert curve_auc([[5.0, 0.7]], 5.0) == 0.7
+    assert curve_auc([[5.0, 0.7], [9.0, 0.9]], 5.0) == 0.7  # cut at its first point: that point alone
     assert forgetting(rows) == {"a": pytest.approx(0.2), "b": 0.0}  # macro is not a level
 
 

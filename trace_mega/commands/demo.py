@@ -152,7 +152,7 @@ def curve_auc(curve: list[list[float]], x_max: float) -> float:
     cut (interpolated) at x_max."""
     pts = [p for p in curve if p[0] <= x_max]
     nxt = next((p for p in curve if p[0] > x_max), None)
-    if nxt is not None and pts:
+    if nxt is not None and pts and x_max > pts[-1][0]:
         (x0, y0), (x1, y1) = pts[-1], nxt
         pts.append([x_max, y0 + (y1 - y0) * (x_max - x0) / (x1 - x0)])
     if len(pts) < 2:

@@ -415,6 +415,9 @@ class AdvantageConfig:
     """Divide group-relative advantages by the group's reward std."""
     shared_token_weight: Literal["once", "per_leaf"] = "once"
     """Loss weight of a shared-prefix token: once (1) | per_leaf (leaves below it: equals flattened training)."""
+    drop_uncontrasted: bool = False
+    """Tokens of a tree whose advantages are all 0 weigh 0, so the loss's mean runs over the trees with signal, as on
+    dynamic sampling's filtered batch (the trees still reach the predictor)."""
     gigpo_step_weight: float = 1.0
     """gigpo: weight omega of the anchor-state (step) advantage added to the episode advantage."""
     gigpo_gamma: float = 0.95
@@ -422,16 +425,10 @@ class AdvantageConfig:
 
     def validate(self) -> None:
         require(0 < self.gigpo_gamma <= 1, "gigpo_gamma", "must be in (0, 1]")
-        require(
-            self.name != "trace_credit",
-            "name",
-            "picks the outcome term (grpo | rloo | tree | gigpo); TRACE-C is switched on by credit.enabled",
-        )
-        require(
-            not (self.name == "rloo" and self.normalize_std),
-            "normalize_std",
-            "rloo's leave-one-out baseline is not std-normalised",
-        )
+        msg = "picks the outcome term (grpo | rloo | tree | gigpo); TRACE-C is switched on by credit.enabled"
+        require(self.name != "trace_credit", "name", msg)
+        msg = "rloo's leave-one-out baseline is not std-normalised"
+        require(not (self.name == "rloo" and self.normalize_std), "normalize_std", msg)
 
 
 @dataclass

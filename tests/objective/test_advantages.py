@@ -154,6 +154,30 @@ def test_token_weights_once_and_per_leaf():
     assert torch.equal(once.advantages, per_leaf.advantages)
 
 
+@pytest.mark.parametrize("name", ["grpo", "tree"])
+def test_drop_uncontrasted_leaves_the_trees_without_signal_out_of_the_mean(name):
+    """A contrasted group beside an all-1 and an all-0 group: with drop_uncontrasted the two flat trees'
+    tokens weigh 0 and the token-mean loss is the contrasted tree's alone, as if they were filtered out."""
+    from trace_mega.objective.losses import aggregation_coefficients
+
+    trees = [_flat([1, 0, 1, 0], "c"), _flat([1, 1, 1, 1], "s"), _flat([0, 0, 0, 0], "u")]
+    p = pack(trees)
+    kept = compute_advantages(p, trees, AdvantageConfig(name=name))
+    dropped = compute_advantages(p, trees, AdvantageConfig(name=name, drop_uncontrasted=True))
+    tree_of_token = p.node_tree[p.token_node]
+    assert torch.equal(dropped.advantages, kept.advantages)
+    assert torch.equal(dropped.token_weight, kept.token_weight * (tree_of_token == 0))
+    alone = pack(trees[:1])
+    coef = aggregation_coefficients(dropped.loss_batch(p), "token_mean")  # (T,)
+    coef_alone = aggregation_coefficients(
+        compute_advantages(alone, trees[:1], AdvantageConfig(name=name)).loss_batch(alone), "token_mean"
+    )
+    assert torch.allclose(coef[tree_of_token == 0], coef_alone) and not coef[tree_of_token > 0].any()
+    kept_coef = aggregation_coefficients(kept.loss_batch(p), "token_mean")
+    # three trees of equal size: the contrasted one's tokens count 3x what they do among all three
+    assert float(coef[tree_of_token == 0].sum()) == pytest.approx(3 * float(kept_coef[tree_of_token == 0].sum()))
+
+
 def test_packed_grpo_with_per_leaf_weights_equals_flattened_grpo():
     """Σ_t w_t A_t x_t on the packed stream == Σ_paths Σ_{t∈path} A_leaf x_t (any per-token x)."""
     trees = [_tree_b(), _tree_a()]

@@ -5,6 +5,7 @@ order) to one advantage per node, A(n), and then per stream token:
 
     advantages[t]   = A(node of t) · m_t                      (m_t = loss mask)
     token_weight[t] = m_t · (1 if shared_token_weight == "once" else n(node of t))
+                      (· 0 on a tree whose A(n) are all 0, with `drop_uncontrasted`)
 
 n(g) = leaves below node g; roots (prompts) get A = 0. Each token of a shared prefix is stored once in the packed
 stream; "once" counts it once in the loss (the default: a shared turn is one decision),
@@ -152,6 +153,9 @@ def _to_tokens(packed: PackedTrees, node_adv: torch.Tensor, cfg: AdvantageConfig
         weight = packed.node_leaf_count[packed.token_node].float() * m
     else:
         raise ValueError(f"unknown shared_token_weight {cfg.shared_token_weight!r}; valid: once, per_leaf")
+    if cfg.drop_uncontrasted:  # a tree without signal leaves the loss's mean, as a filtered group does
+        signal = node_adv.new_zeros(packed.num_trees).index_add(0, packed.node_tree, node_adv.abs()) > 0  # (B,)
+        weight = weight * signal[packed.node_tree[packed.token_node]].to(weight)
     return Advantages(adv, weight, node_adv)
 
 

@@ -7,7 +7,9 @@ the demo's (`trace_mega.commands.demo.learning`): the threshold is the `uniform`
 held-out eval (else `--threshold`); trajectories to it on the seed-mean curve and per seed; the eval AUC
 up to the fewest trajectories any arm of that seed generated; the final eval. `--kept NAME` counts that
 arm's trajectories by what its steps trained on (`alloc/trajectories`) instead of what they generated:
-the axis of attempt 8's ceiling (docs/results/allocation.md).
+the axis of attempt 8's ceiling (docs/results/allocation.md). A second table gives forgetting per eval
+group (a difficulty level): its best held-out eval minus its last, seed-mean (the demo's
+`forgetting_per_group`), with the last eval beside it.
 
     python benchmarks/bench_learning_per_trajectory.py --arm 'uniform=runs/demo_levels_b16/uniform/seed*' \
         --arm 'trace=runs/demo_levels_b16_sampled/trace/seed*' [--kept NAME] [--threshold X]
@@ -36,6 +38,30 @@ def load(pattern: str, kept: bool) -> list[list[dict]]:
     if not runs:
         raise SystemExit(f"no run directory matches {pattern!r}")
     return runs
+
+
+def forgetting_table(runs: dict[str, list[list[dict]]], split: str) -> dict[str, dict[str, list[float]]]:
+    """Per arm and eval group: [seed-mean drop from its best eval to its last, seed-mean last eval], printed
+    as one row per arm (`drop / last` per group). Empty when the runs hold no per-group evaluation."""
+    from trace_mega.commands.demo import group_evals
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, rs in runs.items():
+        per_seed = [group_evals(r, split) for r in rs]
+        groups = sorted(set().union(*per_seed))
+        out[name] = {
+            g: [statistics.fmean(max(e[g]) - e[g][-1] for e in per_seed), statistics.fmean(e[g][-1] for e in per_seed)]
+            for g in groups
+            if all(g in e for e in per_seed)
+        }
+    groups = sorted(set().union(*out.values()))
+    if groups:
+        rows = [
+            {"arm": n} | {g: f"{v[0]:.3f} / {v[1]:.3f}" for g, v in by_group.items()} for n, by_group in out.items()
+        ]
+        print_table(rows, [("arm", "arm", "<")] + [(g, g, "<") for g in groups],
+                    title="per eval group: largest drop from best to last eval / last eval (seed means)")  # fmt: skip
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,12 +115,19 @@ def main(argv: list[str] | None = None) -> dict:
          ("fallback", "fallback steps", "<")],
         title=f"threshold {threshold:.4f} (held-out eval)" if threshold is not None else "no held-out evaluation",
     )  # fmt: skip
+    levels = forgetting_table(runs, args.split)
     curves = {
         name: [[round(x), round(y, 4)] for x, y in table[name]["eval_curve"]]
         for name in runs
         if "eval_curve" in table[name]
     }
-    result = {"command": command_line(__file__, argv), "threshold": threshold, "rows": rows, "curves": curves}
+    result = {
+        "command": command_line(__file__, argv),
+        "threshold": threshold,
+        "rows": rows,
+        "curves": curves,
+        "forgetting": levels,
+    }
     write_json(result, args.json)
     return result
 

@@ -120,3 +120,23 @@ def test_learning_per_trajectory_compares_arms_run_apart(tmp_path):
     assert rows["ceiling"]["to"] == 128 and rows["ceiling"]["ratio"] == pytest.approx(2.0)
     rows = {r["arm"]: r for r in module.main(argv + ["--kept", "ceiling"])["rows"]}
     assert rows["ceiling (kept)"]["to"] == 32 and rows["ceiling (kept)"]["ratio"] == pytest.approx(0.5)
+
+
+def test_learning_per_trajectory_reports_forgetting_per_level(tmp_path):
+    """Per eval group: the seed-mean drop from a level's best eval to its last, and the last eval itself."""
+    module = load_benchmark("learning_per_trajectory")
+    levels = {0: [(0.9, 1.0, 0.8), (0.9, 0.9, 0.9)], 1: [(0.2, 0.4, 0.4), (0.1, 0.3, 0.2)]}  # level -> seeds' evals
+    for seed in range(2):
+        run = tmp_path / "uniform" / f"seed{seed}"
+        run.mkdir(parents=True)
+        rows = []
+        for step in range(3):
+            r = {"step": step, "alloc/generated_trajectories": 4, "alloc/contrasted_prompts": 1.0}
+            r |= {"eval/test/reward": 0.5, "eval/test/macro/mean@8": 0.5}
+            r |= {f"eval/test/ice{k}/mean@8": levels[k][seed][step] for k in levels}
+            rows.append(r)
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = module.main(["--arm", f"uniform={tmp_path}/uniform/seed*", "--json", ""])["forgetting"]["uniform"]
+    assert set(out) == {"ice0", "ice1"}  # the macro average is not a level
+    assert out["ice0"] == pytest.approx([(0.2 + 0.0) / 2, (0.8 + 0.9) / 2])
+    assert out["ice1"] == pytest.approx([(0.0 + 0.1) / 2, (0.4 + 0.2) / 2])

@@ -163,6 +163,11 @@ def curve_auc(curve: list[list[float]], x_max: float) -> float:
 
 def forgetting(rows: list[dict[str, float]], split: str = "test") -> dict[str, float]:
     """Per eval group (`eval/<split>/<group>/mean@n`, a difficulty level): best eval minus the last."""
+    return {g: max(v) - v[-1] for g, v in group_evals(rows, split).items()}
+
+
+def group_evals(rows: list[dict[str, float]], split: str = "test") -> dict[str, list[float]]:
+    """Per eval group (`eval/<split>/<group>/mean@n`, not the macro average), its evals in step order."""
     per: dict[str, list[float]] = {}
     for r in rows:
         for key, val in r.items():
@@ -174,7 +179,7 @@ def forgetting(rows: list[dict[str, float]], split: str = "test") -> dict[str, f
                 and parts[2] != "macro"
             ):
                 per.setdefault(parts[2], []).append(val)
-    return {g: max(v) - v[-1] for g, v in sorted(per.items())}
+    return dict(sorted(per.items()))
 
 
 def warm_start(base: TrainConfig, pretrain_config_path: Optional[str | Path] = None) -> str:

@@ -88,8 +88,8 @@ def test_configs_resolve_by_name_or_path(tmp_path, monkeypatch):
     assert resolve_config("configs/demo_cpu.yaml") == Path("configs/demo_cpu.yaml")
     with pytest.raises(
         FileNotFoundError,
-        match="shipped: credit_demo, demo_cpu, demo_headroom_cpu, demo_moe_cpu, pretrain_levels, pretrain_moe, "
-        "pretrain_search, pretrain_tools, qwen3_14b_multihop, qwen3_30b_a3b_bfcl",
+        match="shipped: credit_demo, demo_cpu, demo_headroom_b16_cpu, demo_headroom_cpu, demo_moe_cpu, "
+        "pretrain_levels, pretrain_moe, pretrain_search, pretrain_tools, qwen3_14b_multihop, qwen3_30b_a3b_bfcl",
     ):
         resolve_config("demo_gpu")
     with pytest.raises(FileNotFoundError):

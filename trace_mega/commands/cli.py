@@ -4,7 +4,8 @@
   environment, on CPU, `uniform` GRPO vs `dapo` vs `treepo` vs `trace` at equal generated
   trajectories, with a Markdown + PNG report; every arm starts from the config's cached warm
   start (`--from-scratch`: a random init). `--config demo_headroom_cpu`: the held-out
-  learning-per-trajectory comparison on `synthetic_levels`.
+  learning-per-trajectory comparison on `synthetic_levels`; `demo_headroom_b16_cpu`: the same at
+  16 trajectories a step, trace's best measured regime.
 * `demo credit` — TRACE-C on `synthetic_search` from the cached warm start:
   grpo, grpo+credit, tree, tree+credit at equal budget, 3 seeds, a report.
 * `pretrain [--config NAME|FILE] [key=value ...]` — the cached warm start (an HF
@@ -110,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         "--pretrain-config",
         default=None,
         help="warm start's transcript policy (default: the config's own, pretrain_tools for demo_cpu, "
-        "pretrain_levels for demo_headroom_cpu; its env and model are the demo's)",
+        "pretrain_levels for demo_headroom_cpu and demo_headroom_b16_cpu; its env and model are the demo's)",
     )
     p.add_argument("--methods", default=None, help="comma-separated arms (default: uniform,dapo,treepo,trace)")
     p.add_argument("--from-scratch", action="store_true", help="no warm start: every run starts from a random init")

@@ -2,7 +2,8 @@
 
 Trains the tiny GPT policy of a shipped demo config (default `demo_cpu`: the learnable
 `synthetic_tools` environment, minutes; `demo_headroom_cpu`: the `synthetic_levels` task
-set with a held-out split, the learning-per-trajectory comparison) once per method and
+set with a held-out split, the learning-per-trajectory comparison; `demo_headroom_b16_cpu`: the
+same at 16 trajectories a step) once per method and
 seed, every method from the same warm start and seed at equal generated trajectories:
 
 * `uniform` — GRPO: random prompts, flat groups;
@@ -46,7 +47,11 @@ from trace_mega.resources import resolve_config
 from trace_mega.telemetry import plot_curves, read_metrics
 
 METHODS = ("uniform", "dapo", "treepo", "trace")
-DEFAULT_PRETRAIN = {"demo_cpu": "pretrain_tools", "demo_headroom_cpu": "pretrain_levels"}
+DEFAULT_PRETRAIN = {
+    "demo_cpu": "pretrain_tools",
+    "demo_headroom_cpu": "pretrain_levels",
+    "demo_headroom_b16_cpu": "pretrain_levels",
+}
 """The warm start's transcript policy of each shipped demo config (other configs: `pretrain_tools`)."""
 REPORT_KEYS = (
     "effective_ratio_mean",

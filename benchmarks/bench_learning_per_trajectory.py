@@ -43,16 +43,16 @@ def load(pattern: str, kept: bool) -> list[list[dict]]:
 def forgetting_table(runs: dict[str, list[list[dict]]], split: str) -> dict[str, dict[str, list[float]]]:
     """Per arm and eval group: [seed-mean drop from its best eval to its last, seed-mean last eval], printed
     as one row per arm (`drop / last` per group). Empty when the runs hold no per-group evaluation."""
-    from trace_mega.commands.demo import group_evals
+    from trace_mega.commands.demo import forgetting, group_evals
 
     out: dict[str, dict[str, list[float]]] = {}
     for name, rs in runs.items():
-        per_seed = [group_evals(r, split) for r in rs]
-        groups = sorted(set().union(*per_seed))
+        drops = [forgetting(r, split) for r in rs]
+        last = [{g: v[-1] for g, v in group_evals(r, split).items()} for r in rs]
         out[name] = {
-            g: [statistics.fmean(max(e[g]) - e[g][-1] for e in per_seed), statistics.fmean(e[g][-1] for e in per_seed)]
-            for g in groups
-            if all(g in e for e in per_seed)
+            g: [statistics.fmean(d[g] for d in drops), statistics.fmean(x[g] for x in last)]
+            for g in sorted(set().union(*drops))
+            if all(g in d for d in drops)
         }
     groups = sorted(set().union(*out.values()))
     if groups:

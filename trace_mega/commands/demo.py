@@ -2,9 +2,9 @@
 
 Trains the tiny GPT policy of a shipped demo config (default `demo_cpu`: the learnable
 `synthetic_tools` environment, minutes; `demo_headroom_cpu`: the `synthetic_levels` task
-set with a held-out split, the learning-per-trajectory comparison; `demo_headroom_b16_cpu`: the
-same at 16 trajectories a step) once per method and
-seed, every method from the same warm start and seed at equal generated trajectories:
+set with a held-out split, the learning-per-trajectory comparison; `demo_headroom_b16_cpu`:
+the same at 16 trajectories a step) once per method and seed, every method from the same
+warm start and seed at equal generated trajectories:
 
 * `uniform` — GRPO: random prompts, flat groups;
 * `dapo` — DAPO dynamic sampling: zero-variance groups dropped, fresh ones drawn until the

@@ -4,9 +4,11 @@ better success predictor would buy on `synthetic_levels`, from the held-out eval
 Each evaluation snapshot (`<run>/eval/step_*.json`: 8 samples of every test prompt under the policy of
 that step) stands for one step's prompt pool. A selection rule sees the first half of every prompt's
 samples (4 outcomes, as one earlier group), ranks `--pool` prompts drawn at random by the chance that a
-new group of 4 is contrasted, 1 - p^4 - (1-p)^4, and takes the top `--groups`; the second half of those
-prompts' samples (4 fresh outcomes, one group) says whether each taken group is contrasted. The rules
-differ in what p is:
+new group of 4 is contrasted, 1 - p^4 - (1-p)^4, and takes `--groups` of them two ways: the top of the
+ranking, and as `allocation.root_selection: sampled` does (each candidate, in random order, accepted with
+that chance; the first accepted are served, then the rest in order). The second half of the taken prompts'
+samples (4 fresh outcomes, one group) says whether each taken group is contrasted. The rules differ in
+what p is:
 
 * `uniform`: no ranking (the expected count of a random pick).
 * `level`: the mean success of the prompt's ice level (what the prompt states) over the first halves.
@@ -81,14 +83,20 @@ def scores(tasks: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def selected_contrast(tasks: list[dict], score: list[float], pool: int, groups: int, draws: int, rng) -> float:
-    """Mean contrasted groups among the top `groups` of `pool` random tasks by `score` (ties at
-    random), judged on the second halves of their samples."""
+def selected_contrast(
+    tasks: list[dict], score: list[float], pool: int, groups: int, draws: int, rng, sampled: bool = False
+) -> float:
+    """Mean contrasted groups among `groups` of `pool` random tasks, judged on the second halves of their
+    samples: the top by `score` (ties at random), or with `sampled` those accepted with chance `score`
+    in random order, the unaccepted after them (the trace allocator's sampled roots)."""
     fresh = [contrasted(t["rewards"][GROUP : 2 * GROUP]) for t in tasks]
     total = 0.0
     for _ in range(draws):
         cand = rng.sample(range(len(tasks)), min(pool, len(tasks)))
-        ranked = sorted(cand, key=lambda i: (-score[i], rng.random()))
+        if sampled:
+            ranked = sorted(cand, key=lambda i: rng.random() >= score[i])  # stable: accepted first, order kept
+        else:
+            ranked = sorted(cand, key=lambda i: (-score[i], rng.random()))
         total += sum(fresh[i] for i in ranked[:groups])
     return total / draws
 
@@ -119,18 +127,21 @@ def main(argv: list[str] | None = None) -> dict:
     if not snapshots:
         raise SystemExit(f"no eval/step_*.json under {args.runs!r}")
     rng = random.Random(args.seed)
-    per_rule: dict[str, list[float]] = {}
+    per_rule: dict[str, tuple[list[float], list[float]]] = {}
     for snap in snapshots:
         tasks = [t for t in json.loads(snap.read_text())["tasks"] if len(t["rewards"]) >= 2 * GROUP]
         for rule, score in scores(tasks).items():
-            per_rule.setdefault(rule, []).append(
-                selected_contrast(tasks, score, args.pool, args.groups, args.draws, rng)
-            )
-    rows = [dict(rule=r, contrasted=statistics.fmean(v), low=min(v), high=max(v)) for r, v in per_rule.items()]
+            top, sampled = per_rule.setdefault(rule, ([], []))
+            top.append(selected_contrast(tasks, score, args.pool, args.groups, args.draws, rng))
+            sampled.append(selected_contrast(tasks, score, args.pool, args.groups, args.draws, rng, sampled=True))
+    rows = [
+        dict(rule=r, contrasted=statistics.fmean(t), low=min(t), high=max(t), sampled=statistics.fmean(s))
+        for r, (t, s) in per_rule.items()
+    ]
     print_table(
         rows,
-        [("rule", "selection rule", "<"), ("contrasted", "contrasted groups / step", ".2f"), ("low", "min", ".2f"),
-         ("high", "max", ".2f")],
+        [("rule", "selection rule", "<"), ("contrasted", "contrasted groups / step, top", ".2f"), ("low", "min", ".2f"),
+         ("high", "max", ".2f"), ("sampled", "sampled roots", ".2f")],
         title=f"{args.groups} groups of {GROUP} from {args.pool} candidates, over {len(snapshots)} evaluation snapshots",
     )  # fmt: skip
     kept = measured(expand(args.measured))

@@ -88,6 +88,10 @@ def test_prompt_selection_ranks_by_what_each_rule_knows(tmp_path):
     assert got["level"] == 0.0  # picks the half-solved, half-unsolved level
     assert got["level (contrast)"] == got["level+distance"] == got["own group"] == 4.0
     assert got["uniform"] == pytest.approx(4 * 4 / 12, abs=0.15)
+    sampled = {r["rule"]: r["sampled"] for r in out["rules"]}  # accepted with the group's contrast chance
+    assert sampled["level (contrast)"] == 4.0  # level 2's share is 1, level 3's is 0
+    assert sampled["uniform"] == pytest.approx(got["uniform"], abs=0.15)
+    assert sampled["level"] < 2.0 < sampled["level+distance"] < got["level+distance"]  # a coin may pass level 2
     assert out["measured"] == [dict(arm=str(run.parent), runs=1, contrasted=2.0)]
     with pytest.raises(ValueError, match="levels-S-G-L"):
         module.features("walk-1-2-0.9")

@@ -112,10 +112,14 @@ def test_replay_under_tensor_sequence_expert_and_pipeline_parallelism(hf_dir, tm
 
 
 @pytest.mark.slow
-def test_trainer_replays_the_torch_engines_routes(tmp_path):
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_trainer_replays_the_torch_engines_routes(tmp_path, params_dtype):
     """A `trace-mega train` run of an MoE policy: the torch engine captures, the agent loop stores the
-    routes on the trees, the learner replays them every step (same weights: its router agrees)."""
+    routes on the trees, the learner replays them every step (same weights: its router agrees). In
+    bfloat16 (the GPU configs' dtype: megatron's bf16 weights, float32 main weights) the engine
+    computes in the learner's dtype too, and the update stays finite."""
     overrides = [
+        f"model.params_dtype={params_dtype}",
         "allocation.prompts_per_step=8",
         "allocation.root_rollouts_per_step=12",
         "rollout.max_turns=4",
@@ -136,6 +140,8 @@ def test_trainer_replays_the_torch_engines_routes(tmp_path):
     for row in rows:
         assert row["moe/replayed_tokens"] > 100
         assert row["moe/replay_agreement"] > 0.99
+        assert row["mismatch/logprob_abs_max"] < 0.2 and row["loss/skipped"] == 0.0
+        assert all(v == v for k, v in row.items() if k.startswith("loss/"))  # no NaN
 
 
 def test_plan_counts_the_replay_buffers():

@@ -41,7 +41,7 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     if n_pos == 0 or n_neg == 0:
         return float("nan")
     # Average ranks (1-based) of tied groups: rank sum of the positives gives U exactly.
-    uniq, inverse, counts = torch.unique(scores, return_inverse=True, return_counts=True)
+    _, inverse, counts = torch.unique(scores, return_inverse=True, return_counts=True)
     first = torch.cumsum(counts, 0) - counts  # 0-based rank of each distinct value's first member
     avg_rank = first.double() + (counts.double() + 1.0) / 2.0  # (U,)
     rank_sum = float(avg_rank[inverse][labels].sum())

@@ -48,10 +48,6 @@ class ParallelGroups:
     """megatron's collection (tp, pp, dp, dp_cp, ep, expt_tp, expt_dp, embd, ...)."""
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 

@@ -9,7 +9,8 @@ up to the fewest trajectories any arm of that seed generated; the final eval. `-
 arm's trajectories by what its steps trained on (`alloc/trajectories`) instead of what they generated:
 the axis of attempt 8's ceiling (docs/results/allocation.md). A second table gives forgetting per eval
 group (a difficulty level): its best held-out eval minus its last, seed-mean (the demo's
-`forgetting_per_group`), with the last eval beside it.
+`forgetting_per_group`), with the last eval beside it. `largest fall` is each seed's largest drop of the
+held-out eval from one evaluation to the next: how far a run falls back before it recovers.
 
     python benchmarks/bench_learning_per_trajectory.py --arm 'uniform=runs/demo_levels_b16/uniform/seed*' \
         --arm 'trace=runs/demo_levels_b16_sampled/trace/seed*' [--kept NAME] [--threshold X]
@@ -38,6 +39,12 @@ def load(pattern: str, kept: bool) -> list[list[dict]]:
     if not runs:
         raise SystemExit(f"no run directory matches {pattern!r}")
     return runs
+
+
+def largest_fall(curve: list[tuple[float, float]]) -> float:
+    """Largest drop of the eval reward between consecutive points of `curve` ([(trajectories, reward)]);
+    0 when it never falls."""
+    return max([0.0] + [a[1] - b[1] for a, b in zip(curve, curve[1:])])
 
 
 def forgetting_table(runs: dict[str, list[list[dict]]], split: str) -> dict[str, dict[str, list[float]]]:
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
                 auc=t["eval_auc"],
                 final=statistics.fmean(t["eval_reward_final_per_seed"]),
                 final_per_seed=" / ".join(f"{x:.3f}" for x in t["eval_reward_final_per_seed"]),
+                falls=" / ".join(f"{largest_fall(eval_curve(r, args.split)):.3f}" for r in rs),
                 fallback=" / ".join(f"{sum(r.get('alloc/fallback', 0.0) for r in run):.0f}" for run in rs),
             )
         )
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         [("arm", "arm", "<"), ("seeds", "seeds", "d"), ("contrasted", "contrasted groups / step", ".2f"),
          ("to", "trajectories to threshold", ".0f"), ("ratio", "x uniform's", ".2f"), ("per_seed", "per seed", "<"),
          ("auc", "eval AUC", ".3f"), ("final", "final", ".3f"), ("final_per_seed", "per seed", "<"),
-         ("fallback", "fallback steps", "<")],
+         ("falls", "largest fall", "<"), ("fallback", "fallback steps", "<")],
         title=f"threshold {threshold:.4f} (held-out eval)" if threshold is not None else "no held-out evaluation",
     )  # fmt: skip
     levels = forgetting_table(runs, args.split)

@@ -126,6 +126,12 @@ def test_learning_per_trajectory_compares_arms_run_apart(tmp_path):
     assert rows["ceiling (kept)"]["to"] == 32 and rows["ceiling (kept)"]["ratio"] == pytest.approx(0.5)
 
 
+def test_largest_fall_is_the_deepest_drop_between_consecutive_evals():
+    module = load_benchmark("learning_per_trajectory")
+    assert module.largest_fall([(8, 0.5), (16, 0.3), (24, 0.6), (32, 0.45)]) == pytest.approx(0.2)
+    assert module.largest_fall([(8, 0.1), (16, 0.2)]) == 0.0 and module.largest_fall([]) == 0.0
+
+
 def test_learning_per_trajectory_reports_forgetting_per_level(tmp_path):
     """Per eval group: the seed-mean drop from a level's best eval to its last, and the last eval itself."""
     module = load_benchmark("learning_per_trajectory")

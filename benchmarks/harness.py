@@ -102,10 +102,11 @@ def timed(fn: Callable[[], Any], *, clock: str = "wall") -> tuple[Any, float]:
 
 def print_table(rows: Sequence[dict], cols: Sequence[tuple[str, str, str]], *, title: str | None = None) -> None:
     """Print `rows` as an aligned table. cols: (key, header, format spec); a spec starting with '<'
-    aligns left (the rest is the spec proper, '' = str); a row without the key shows '-'."""
+    aligns left (the rest is the spec proper, '' = str); a row without the key, or with None there (a
+    threshold never reached), shows '-'."""
     if title:
         print(title)
-    cells = [[format(r[key], fmt.lstrip("<")) if key in r else "-" for key, _, fmt in cols] for r in rows]
+    cells = [[format(r[key], fmt.lstrip("<")) if r.get(key) is not None else "-" for key, _, fmt in cols] for r in rows]
     widths = [max([len(h)] + [len(c[n]) for c in cells]) for n, (_, h, _) in enumerate(cols)]
     just = [(str.ljust if fmt.startswith("<") else str.rjust) for _, _, fmt in cols]
     print("  ".join(j(h, w) for (_, h, _), w, j in zip(cols, widths, just)).rstrip())

@@ -31,10 +31,19 @@ def test_timeit_warms_up_then_reduces():
 
 def test_print_table_aligns_and_marks_missing(capsys):
     harness.print_table(
-        [{"name": "a", "x": 1.5}, {"name": "long name"}], [("name", "name", "<"), ("x", "x value", ".2f")], title="T"
+        [{"name": "a", "x": 1.5}, {"name": "long name"}, {"name": "b", "x": None}],
+        [("name", "name", "<"), ("x", "x value", ".2f")],
+        title="T",
     )
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["T", "name       x value", "---------  -------", "a             1.50", "long name        -"]
+    assert lines == [
+        "T",
+        "name       x value",
+        "---------  -------",
+        "a             1.50",
+        "long name        -",
+        "b                -",
+    ]
 
 
 def test_write_json_and_its_off_switch(tmp_path):

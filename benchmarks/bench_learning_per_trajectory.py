@@ -11,9 +11,14 @@ the axis of attempt 8's ceiling (docs/results/allocation.md). A second table giv
 group (a difficulty level): its best held-out eval minus its last, seed-mean (the demo's
 `forgetting_per_group`), with the last eval beside it. `largest fall` is each seed's largest drop of the
 held-out eval from one evaluation to the next: how far a run falls back before it recovers.
+`interval` is a percentile bootstrap over seeds of an arm's trajectories to the threshold divided by
+uniform's (`--versus A/B`: A's divided by B's): every draw resamples the seed indices with replacement,
+the same indices for every arm (seed k of every arm shares its warm start and prompt order), and
+recomputes the seed-mean curves and uniform's threshold from them. An arm that never reaches the
+threshold in a draw counts as infinitely slow there.
 
     python benchmarks/bench_learning_per_trajectory.py --arm 'uniform=runs/demo_levels_b16/uniform/seed*' \
-        --arm 'trace=runs/demo_levels_b16_sampled/trace/seed*' [--kept NAME] [--threshold X]
+        --arm 'trace=runs/demo_levels_b16_sampled/trace/seed*' [--kept NAME] [--threshold X] [--versus trace/dapo]
     trace-mega bench learning_per_trajectory [same options]
 """
 
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import glob
 import json
+import math
+import random
 import statistics
 from pathlib import Path
 
@@ -45,6 +52,48 @@ def largest_fall(curve: list[tuple[float, float]]) -> float:
     """Largest drop of the eval reward between consecutive points of `curve` ([(trajectories, reward)]);
     0 when it never falls."""
     return max([0.0] + [a[1] - b[1] for a, b in zip(curve, curve[1:])])
+
+
+def bootstrap_ratios(
+    curves: dict[str, list[list[list[float]]]],
+    pairs: list[tuple[str, str]],
+    threshold: float | None,
+    draws: int = 2000,
+    seed: int = 0,
+    level: float = 0.9,
+) -> dict[tuple[str, str], tuple[float, float]]:
+    """Per (A, B) of `pairs`: the central `level` interval of A's trajectories to the threshold over B's,
+    each draw resampling the seed indices with replacement (the same indices for every arm) and
+    recomputing the seed-mean curves. The threshold is uniform's resampled seed-mean final, or the fixed
+    `threshold` when given. A never reaching it counts as inf, B never reaching it as 0; draws where
+    neither does are left out. (nan, nan) when every draw is."""
+    from trace_mega.commands.demo import _mean_curve, first_reaching
+
+    n = len(next(iter(curves.values())))
+    rng = random.Random(seed)
+    ratios: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        mean = {arm: _mean_curve([cs[i] for i in idx]) for arm, cs in curves.items()}
+        bar = threshold if threshold is not None else statistics.fmean(curves["uniform"][i][-1][1] for i in idx)
+        for a, b in pairs:
+            ta, tb = first_reaching(mean[a], bar), first_reaching(mean[b], bar)
+            if ta is None and tb is None:
+                continue
+            ratios[(a, b)].append(math.inf if ta is None else 0.0 if tb is None else ta / tb)
+    out = {}
+    for p, xs in ratios.items():
+        xs.sort()
+        if not xs:
+            out[p] = (math.nan, math.nan)
+            continue
+        tail = (1 - level) / 2
+        out[p] = (xs[int(tail * (len(xs) - 1))], xs[math.ceil((1 - tail) * (len(xs) - 1))])
+    return out
+
+
+def _interval(lo_hi: tuple[float, float]) -> str:
+    return "[" + ", ".join("never" if math.isinf(x) else f"{x:.2f}" for x in lo_hi) + "]"
 
 
 def forgetting_table(runs: dict[str, list[list[dict]]], split: str) -> dict[str, dict[str, list[float]]]:
@@ -79,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kept", action="append", default=[], help="an arm counted by its kept trajectories")
     ap.add_argument("--threshold", type=float, default=None, help="without a uniform arm: the eval reward to reach")
     ap.add_argument("--split", default="test", help="the evaluated split")
+    ap.add_argument("--versus", action="append", default=[], help="A/B: bootstrap A's trajectories over B's")
+    ap.add_argument("--draws", type=int, default=2000, help="bootstrap draws over the seeds")
     args = ap.parse_args(argv)
     arms = dict(a.split("=", 1) for a in args.arm)
     runs = {name: load(pattern, name in args.kept) for name, pattern in arms.items()}
@@ -94,6 +145,18 @@ def main(argv: list[str] | None = None) -> dict:
             table[name]["trajectories_to_threshold"] = first_reaching(_mean_curve(curves), threshold)
             table[name]["trajectories_to_threshold_per_seed"] = [first_reaching(c, threshold) for c in curves]
     ref = table.get("uniform", {}).get("trajectories_to_threshold")
+    versus = [tuple(v.split("/", 1)) for v in args.versus]
+    if unknown := sorted({a for p in versus for a in p} - set(runs)):
+        raise SystemExit(f"--versus names arms that are not given: {', '.join(unknown)}; arms: {', '.join(runs)}")
+    pairs = [(name, "uniform") for name in runs if name != "uniform" and "uniform" in runs] + versus
+    fixed = None if "uniform" in runs else threshold
+    intervals = (
+        bootstrap_ratios(
+            {n: [eval_curve(r, args.split) for r in rs] for n, rs in runs.items()}, pairs, fixed, args.draws
+        )
+        if threshold is not None and pairs
+        else {}
+    )
     rows = []
     for name, rs in runs.items():
         t = table[name]
@@ -105,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
                 contrasted=statistics.fmean(statistics.fmean(r["alloc/contrasted_prompts"] for r in run) for run in rs),
                 to=to,
                 ratio=to / ref if to is not None and ref else None,
+                interval=_interval(intervals[(name, "uniform")]) if (name, "uniform") in intervals else None,
                 per_seed=" / ".join(
                     "never" if x is None else f"{x:.0f}" for x in t["trajectories_to_threshold_per_seed"]
                 ),
@@ -118,11 +182,20 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(
         rows,
         [("arm", "arm", "<"), ("seeds", "seeds", "d"), ("contrasted", "contrasted groups / step", ".2f"),
-         ("to", "trajectories to threshold", ".0f"), ("ratio", "x uniform's", ".2f"), ("per_seed", "per seed", "<"),
+         ("to", "trajectories to threshold", ".0f"), ("ratio", "x uniform's", ".2f"),
+         ("interval", "90% interval", "<"), ("per_seed", "per seed", "<"),
          ("auc", "eval AUC", ".3f"), ("final", "final", ".3f"), ("final_per_seed", "per seed", "<"),
          ("falls", "largest fall", "<"), ("fallback", "fallback steps", "<")],
         title=f"threshold {threshold:.4f} (held-out eval)" if threshold is not None else "no held-out evaluation",
     )  # fmt: skip
+    versus_rows = []
+    for a, b in versus:
+        ta, tb = table[a]["trajectories_to_threshold"], table[b]["trajectories_to_threshold"]
+        ratio = ta / tb if ta is not None and tb else None
+        versus_rows.append(dict(pair=f"{a} / {b}", ratio=ratio, interval=_interval(intervals[(a, b)])))
+    if versus_rows:
+        print_table(versus_rows, [("pair", "arms", "<"), ("ratio", "trajectories to threshold, ratio", ".2f"),
+                                  ("interval", "90% interval", "<")], title="arm against arm")  # fmt: skip
     levels = forgetting_table(runs, args.split)
     curves = {
         name: [[round(x), round(y, 4)] for x, y in table[name]["eval_curve"]]
@@ -133,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": command_line(__file__, argv),
         "threshold": threshold,
         "rows": rows,
+        "versus": versus_rows,
         "curves": curves,
         "forgetting": levels,
     }

@@ -1,6 +1,7 @@
 """benchmarks/: the shared harness, and every benchmark loads through it (`trace-mega bench NAME`)."""
 
 import json
+import math
 
 import pytest
 
@@ -131,8 +132,34 @@ def test_learning_per_trajectory_compares_arms_run_apart(tmp_path):
     assert out["threshold"] == pytest.approx(0.6)
     assert rows["uniform"]["to"] == 64 and rows["uniform"]["per_seed"] == "never / 48"
     assert rows["ceiling"]["to"] == 128 and rows["ceiling"]["ratio"] == pytest.approx(2.0)
-    rows = {r["arm"]: r for r in module.main(argv + ["--kept", "ceiling"])["rows"]}
+    # A draw of uniform's seed 1 twice (a quarter of them) sets the bar at 0.7, which the ceiling never reaches.
+    assert rows["ceiling"]["interval"] == "[2.00, never]"
+    out = module.main(argv + ["--kept", "ceiling", "--versus", "uniform/ceiling"])
+    rows = {r["arm"]: r for r in out["rows"]}
     assert rows["ceiling (kept)"]["to"] == 32 and rows["ceiling (kept)"]["ratio"] == pytest.approx(0.5)
+    assert out["versus"] == [dict(pair="uniform / ceiling", ratio=2.0, interval="[0.00, 2.00]")]
+    with pytest.raises(SystemExit, match="not given: dapo"):
+        module.main(argv + ["--versus", "dapo/uniform"])
+
+
+def test_bootstrap_interval_resamples_the_seeds_of_every_arm_alike():
+    """Two seeds: trace's seed 0 reaches uniform's final after 10 trajectories, its seed 1 after 30, uniform
+    after 40. A draw of seed 0 twice (a quarter of them) gives 0.25; every other draw 0.75. An arm that
+    never gets there is infinitely slow, and any arm against it infinitely fast."""
+    module = load_benchmark("learning_per_trajectory")
+    xs = (10, 20, 30, 40)
+    curves = {
+        "uniform": [[[x, y] for x, y in zip(xs, ys)] for ys in ((0.1, 0.2, 0.3, 0.6), (0.1, 0.3, 0.5, 0.6))],
+        "trace": [[[x, y] for x, y in zip(xs, ys)] for ys in ((0.6, 0.6, 0.6, 0.6), (0.2, 0.2, 0.6, 0.6))],
+        "slow": [[[x, 0.1] for x in xs]] * 2,
+    }
+    pairs = [("trace", "uniform"), ("slow", "uniform"), ("trace", "slow")]
+    out = module.bootstrap_ratios(curves, pairs, None, draws=400)
+    assert out[("trace", "uniform")] == (0.25, 0.75)
+    assert out[("slow", "uniform")] == (math.inf, math.inf) and out[("trace", "slow")] == (0.0, 0.0)
+    assert module._interval(out[("slow", "uniform")]) == "[never, never]"
+    fixed = module.bootstrap_ratios(curves, [("trace", "uniform")], 0.6, draws=400)  # the same bar, given
+    assert fixed == {("trace", "uniform"): (0.25, 0.75)}
 
 
 def test_largest_fall_is_the_deepest_drop_between_consecutive_evals():

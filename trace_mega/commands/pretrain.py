@@ -35,7 +35,11 @@ only the transcript policy's own tokens (actions and answers) — through the
 learner's packed forward and fused log-prob kernel.
 
 Deterministic: the initialisation, the stores and the transcript policy are
-seeded from `PretrainConfig.seed`, so the same config gives identical weights.
+seeded from `PretrainConfig.seed`, so the same config gives identical weights
+on the same number of CPU threads. Another thread count sums PyTorch's
+intra-op reductions in another order: `pretrain_levels` for 40 steps under
+OMP_NUM_THREADS=1 and 2 differs by up to 0.02 in a weight, and RL runs from the
+two warm starts part ways (docs/allocation.md "The warm start").
 Results are cached under `cache_dir/<sha256 of the config>[:16]` and reused.
 """
 

@@ -162,6 +162,28 @@ def test_bootstrap_interval_resamples_the_seeds_of_every_arm_alike():
     assert fixed == {("trace", "uniform"): (0.25, 0.75)}
 
 
+def test_answer_offsets_count_each_turn_at_its_cell_relative_to_the_goal():
+    """Start 5, goal 2 (leftwards): a path that answers on the goal, one that answers a cell short, and one
+    that passes the goal, comes back and answers on it. A slip ("at" the same cell) stays at its offset."""
+    from types import SimpleNamespace
+
+    from trace_mega.rollout.tree import Node, RolloutTree
+
+    module = load_benchmark("answer_decision")
+
+    def turn(kind, obs=""):
+        return Node(0, [1], [1], [0.0], kind=kind, observation=obs)
+
+    tree = RolloutTree("levels-5-2-0", [1])
+    tree.add_path(0, [turn("tool", "at 4"), turn("tool", "at 3"), turn("tool", "at 2"), turn("final")], 1.0)
+    tree.add_path(0, [turn("tool", "at 4"), turn("tool", "at 4"), turn("tool", "at 3"), turn("final")], 0.0)
+    tree.add_path(0, [turn("tool", "at 4"), turn("tool", "at 3"), turn("tool", "at 2"), turn("tool", "at 1"),
+                      turn("tool", "at 2"), turn("final")], 1.0)  # fmt: skip
+    answers, turns = module.answer_offsets([tree], [SimpleNamespace(meta={"start": 5, "goal": 2})])
+    assert turns == {-3: 3, -2: 4, -1: 3, 0: 3, 1: 1}
+    assert answers == {0: 2, -1: 1}
+
+
 def test_largest_fall_is_the_deepest_drop_between_consecutive_evals():
     module = load_benchmark("learning_per_trajectory")
     assert module.largest_fall([(8, 0.5), (16, 0.3), (24, 0.6), (32, 0.45)]) == pytest.approx(0.2)

@@ -3,7 +3,7 @@ the goal, on the held-out tasks of `synthetic_levels` (issue #29's task set).
 
 A turn at offset -1 starts one cell short of the goal (towards it), +0 on the goal, +1 one cell past it;
 only +0 scores. `success` is the share of episodes that answer on the goal. The held-out falls of the
-16-a-step runs (docs/results/allocation.md "What the falls are") show up here as the answer spreading
+16-a-step runs (docs/results/allocation.md, the paragraph "What the falls are") show up here as the answer spreading
 from +0 to -1 and +1. Every `--checkpoint` (an HF checkpoint: a warm start, or a run's `checkpoint.
 export_hf_at_end`) is rolled out with `--samples` episodes per task at the demo config's rollout settings.
 

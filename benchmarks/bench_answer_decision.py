@@ -50,11 +50,12 @@ def measure(checkpoint: str, levels: list[int], samples: int, seed: int = 0) -> 
     from trace_mega.config import TrainConfig, load_yaml
     from trace_mega.trainer import Trainer
 
+    groups = {f"ice{k}" for k in levels}  # the env's eval group of a task is its level
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"model.hf_checkpoint={checkpoint}", f"telemetry.out_dir={tmp}", "telemetry.tensorboard=false"]
         trainer = Trainer(load_yaml(TrainConfig, ROOT / "configs" / "demo_headroom_b16_cpu.yaml", overrides))
         try:
-            tasks = [t for t in trainer.env.tasks("test") if t.meta["benchmark"] in {f"ice{k}" for k in levels}]
+            tasks = [t for t in trainer.env.tasks("test") if t.meta["benchmark"] in groups]
             trees = trainer.rollouts.agent.rollout(tasks, [samples] * len(tasks), seed=seed)
             answers, turns = answer_offsets(trees, tasks)
             rewards = [r for t in trees for r in t.leaf_rewards()]

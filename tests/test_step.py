@@ -71,6 +71,28 @@ def test_the_step_layout_is_extended_as_the_trees_grow():
         batch.grow(batch.trees + batch.trees[:1])
 
 
+def test_step_metrics_count_each_eval_group_prompts_and_contrasted_prompts():
+    from trace_mega.telemetry import tree_metrics
+
+    # Three candidates of two levels; the ice1 one gets no rollouts and leaves the step.
+    tasks = [Task("a", [], meta={"benchmark": "ice0"}), Task("b", [], meta={"benchmark": "ice1"})]
+    tasks.append(Task("c", [], meta={"benchmark": "ice0"}))
+    batch = StepBatch.from_prompts(0, tasks, [[1], [2], [3]])
+    trees = [_bare(t, [i + 1], 2, seed) for i, (t, seed) in enumerate(zip(tasks, (0, 0, 1)))]
+    trees[2] = RolloutTree("c", [3])  # all-0: two failures
+    for _ in range(2):
+        trees[2].add_path(0, [_turn(9)], 0.0)
+    batch.grow(trees, keep=[0, 2])
+    assert batch.eval_groups() == ["ice0", "ice0"]
+    m = tree_metrics(batch.packed, batch.eval_groups())
+    assert m["alloc/group/ice0/prompts"] == 2.0 and m["alloc/group/ice0/contrasted_prompts"] == 1.0
+    assert not any("ice1" in k for k in m)  # a level the step does not hold is absent, not 0
+    assert m["alloc/contrasted_prompts"] == 1.0
+    # A task without a group (no benchmark key): no per-group counts at all.
+    bare = StepBatch.from_prompts(0, [Task("d", [])], [[4]])
+    assert bare.eval_groups() is None and not any("/group/" in k for k in tree_metrics(bare.packed, None))
+
+
 def test_prefix_candidates_leave_out_prefixes_too_close_to_the_turn_limit():
     # One bare rollout of 4 turns: intermediate prefixes after turns 1, 2, 3 (depths 1-3).
     task = Task("t", [])

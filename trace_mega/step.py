@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from trace_mega.evaluation import group_of
 from trace_mega.rollout.tree import PackedTrees, RolloutTree, extend, pack
 
 if TYPE_CHECKING:
@@ -79,6 +80,12 @@ class StepBatch:
         """Root-only trees of the candidate prompts and their layout."""
         trees = [RolloutTree(t.task_id, list(ids)) for t, ids in zip(tasks, prompt_ids)]
         return cls(step, list(tasks), trees, torch.arange(len(trees)), pack(trees))
+
+    def eval_groups(self) -> Optional[list[str]]:
+        """The eval group (`evaluation.group_of`: the benchmark, a level) of each tree's task, in tree order;
+        None when some task names none."""
+        groups = [group_of(self.tasks[i].meta, "") for i in self.prompt_index.tolist()]
+        return groups if all(groups) else None
 
     def root_nodes(self) -> torch.Tensor:
         """(num_trees,) global ids of the roots (the prompts) in the layout."""

@@ -14,7 +14,7 @@ import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -71,8 +71,11 @@ class PhaseTimer:
             self.seconds[f"time/{name}_s"] = self.seconds.get(f"time/{name}_s", 0.0) + time.perf_counter() - t0
 
 
-def tree_metrics(packed: "PackedTrees") -> dict[str, float]:
-    """Effective ratio and contrast counts of a step's trees (binary rewards: success = reward > 0.5)."""
+def tree_metrics(packed: "PackedTrees", groups: Optional[Sequence[str]] = None) -> dict[str, float]:
+    """Effective ratio and contrast counts of a step's trees (binary rewards: success = reward > 0.5).
+    With `groups` (one eval group per tree, `evaluation.group_of`), also per group g the prompts the step
+    holds and how many are contrasted, `alloc/group/<g>/prompts` and `.../contrasted_prompts`: which
+    prompts an allocator spends on and which it starves."""
     leaf_success = (packed.leaf_reward > 0.5).float()
     tree_of_leaf = packed.node_tree[packed.leaf_nodes]
     n_trees = packed.num_trees
@@ -85,7 +88,11 @@ def tree_metrics(packed: "PackedTrees") -> dict[str, float]:
     branch = children >= 2
     mean = packed.node_reward_sum / packed.node_leaf_count.clamp(min=1)
     mixed = branch & (mean > 0) & (mean < 1)
-    return {
+    by_group: dict[str, float] = {}
+    for g, has, c in zip(groups or (), active.tolist(), contrasted.tolist()):
+        by_group[f"alloc/group/{g}/prompts"] = by_group.get(f"alloc/group/{g}/prompts", 0.0) + has
+        by_group[f"alloc/group/{g}/contrasted_prompts"] = by_group.get(f"alloc/group/{g}/contrasted_prompts", 0.0) + c
+    return by_group | {
         "alloc/effective_ratio": float(contrasted.sum() / active.sum().clamp(min=1)),
         "alloc/active_prompts": float(active.sum()),
         "alloc/contrasted_prompts": float(contrasted.sum()),

@@ -175,7 +175,12 @@ class Trainer:
                     self.learner.sync_weights(self.rollouts.engine)
             self._plot_predictor(fit.calibration)  # telemetry, outside the step's time
             metrics = batch.update.metrics | fit.metrics | self._credit_accuracy(batch) | probe_bad
-            metrics |= tree_metrics(batch.packed) | self.rollouts.step_metrics() | timer.seconds | self.gpu.sample()
+            metrics |= (
+                tree_metrics(batch.packed, batch.eval_groups())
+                | self.rollouts.step_metrics()
+                | timer.seconds
+                | self.gpu.sample()
+            )
             metrics |= self._throughput(batch.packed, timer.seconds["time/step_s"])
             spent = int(batch.rollouts.sum() + batch.continuations.sum() + batch.root_continuations.sum())
             metrics |= {

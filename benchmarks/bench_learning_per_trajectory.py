@@ -10,7 +10,9 @@ arm's trajectories by what its steps trained on (`alloc/trajectories`) instead o
 the axis of attempt 8's ceiling (docs/results/allocation.md). A second table gives forgetting per eval
 group (a difficulty level): its best held-out eval minus its last, seed-mean (the demo's
 `forgetting_per_group`), with the last eval beside it. `largest fall` is each seed's largest drop of the
-held-out eval from one evaluation to the next: how far a run falls back before it recovers.
+held-out eval from one evaluation to the next: how far a run falls back before it recovers. A third table,
+where the runs log them (`alloc/group/<g>/contrasted_prompts`), gives each arm's contrasted prompts a step
+per eval group from step `--from-step` on, seed means: which prompts an allocator spends its contrast on.
 `interval` is a percentile bootstrap over seeds of an arm's trajectories to the threshold divided by
 uniform's (`--versus A/B`: A's divided by B's): every draw resamples the seed indices with replacement,
 the same indices for every arm (seed k of every arm shares its warm start and prompt order), and
@@ -120,6 +122,27 @@ def forgetting_table(runs: dict[str, list[list[dict]]], split: str) -> dict[str,
     return out
 
 
+def composition_table(runs: dict[str, list[list[dict]]], from_step: int) -> dict[str, dict[str, float]]:
+    """Per arm and eval group: contrasted prompts a step over the steps >= `from_step`, seed means (a group a
+    step does not hold counts 0 there), printed as one row per arm. Empty when no run logs per-group counts."""
+    out: dict[str, dict[str, float]] = {}
+    for name, rs in runs.items():
+        per_seed = []
+        for rows in rs:
+            steps = [r for r in rows if r["step"] >= from_step]
+            keys = {k for r in steps for k in r if k.startswith("alloc/group/") and k.endswith("/contrasted_prompts")}
+            per_seed.append({k.split("/")[2]: sum(r.get(k, 0.0) for r in steps) / max(len(steps), 1) for k in keys})
+        groups = sorted(set().union(*per_seed))
+        if groups:
+            out[name] = {g: statistics.fmean(s.get(g, 0.0) for s in per_seed) for g in groups}
+    groups = sorted(set().union(*out.values()))
+    if groups:
+        rows = [{"arm": n} | by_group | {"all": sum(by_group.values())} for n, by_group in out.items()]
+        print_table(rows, [("arm", "arm", "<")] + [(g, g, ".2f") for g in groups] + [("all", "all", ".2f")],
+                    title=f"contrasted prompts / step per eval group, steps >= {from_step} (seed means)")  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     from trace_mega.commands.demo import _mean_curve, eval_curve, first_reaching, learning
 
@@ -130,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--split", default="test", help="the evaluated split")
     ap.add_argument("--versus", action="append", default=[], help="A/B: bootstrap A's trajectories over B's")
     ap.add_argument("--draws", type=int, default=2000, help="bootstrap draws over the seeds")
+    ap.add_argument("--from-step", type=int, default=0, help="first step of the per-group contrast table")
     args = ap.parse_args(argv)
     arms = dict(a.split("=", 1) for a in args.arm)
     runs = {name: load(pattern, name in args.kept) for name, pattern in arms.items()}
@@ -160,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name, rs in runs.items():
         t = table[name]
-        to = t["trajectories_to_threshold"]
+        to = t.get("trajectories_to_threshold")  # absent, as every learning key, for runs never evaluated
+        finals = t.get("eval_reward_final_per_seed", [])
         rows.append(
             dict(
                 arm=name + (" (kept)" if name in args.kept else ""),
@@ -170,11 +195,11 @@ def main(argv: list[str] | None = None) -> dict:
                 ratio=to / ref if to is not None and ref else None,
                 interval=_interval(intervals[(name, "uniform")]) if (name, "uniform") in intervals else None,
                 per_seed=" / ".join(
-                    "never" if x is None else f"{x:.0f}" for x in t["trajectories_to_threshold_per_seed"]
+                    "never" if x is None else f"{x:.0f}" for x in t.get("trajectories_to_threshold_per_seed", [])
                 ),
-                auc=t["eval_auc"],
-                final=statistics.fmean(t["eval_reward_final_per_seed"]),
-                final_per_seed=" / ".join(f"{x:.3f}" for x in t["eval_reward_final_per_seed"]),
+                auc=t.get("eval_auc"),
+                final=statistics.fmean(finals) if finals else None,
+                final_per_seed=" / ".join(f"{x:.3f}" for x in finals),
                 falls=" / ".join(f"{largest_fall(eval_curve(r, args.split)):.3f}" for r in rs),
                 fallback=" / ".join(f"{sum(r.get('alloc/fallback', 0.0) for r in run):.0f}" for run in rs),
             )
@@ -197,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         print_table(versus_rows, [("pair", "arms", "<"), ("ratio", "trajectories to threshold, ratio", ".2f"),
                                   ("interval", "90% interval", "<")], title="arm against arm")  # fmt: skip
     levels = forgetting_table(runs, args.split)
+    composition = composition_table(runs, args.from_step)
     curves = {
         name: [[round(x), round(y, 4)] for x, y in table[name]["eval_curve"]]
         for name in runs
@@ -209,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versus": versus_rows,
         "curves": curves,
         "forgetting": levels,
+        "contrasted_per_group": composition,
     }
     write_json(result, args.json)
     return result

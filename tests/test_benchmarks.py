@@ -142,6 +142,23 @@ def test_learning_per_trajectory_compares_arms_run_apart(tmp_path):
         module.main(argv + ["--versus", "dapo/uniform"])
 
 
+def test_contrast_per_group_counts_a_level_a_step_holds_nowhere_as_zero(tmp_path):
+    """Runs without evaluation still give the per-group table: contrasted prompts a step from `--from-step`
+    on, a step without the group counting 0, then the seed mean."""
+    module = load_benchmark("learning_per_trajectory")
+    for seed, late in enumerate((2.0, 4.0)):
+        run = tmp_path / "trace" / f"seed{seed}"
+        run.mkdir(parents=True)
+        rows = [{"step": 0, "alloc/contrasted_prompts": 9.0, "alloc/group/ice0/contrasted_prompts": 9.0}]
+        rows.append({"step": 1, "alloc/contrasted_prompts": late, "alloc/group/ice9/contrasted_prompts": late})
+        rows.append({"step": 2, "alloc/contrasted_prompts": 1.0, "alloc/group/ice0/contrasted_prompts": 1.0})
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = module.main(["--arm", f"trace={tmp_path}/trace/seed*", "--from-step", "1", "--json", ""])
+    # seed 0: ice0 (0 + 1) / 2, ice9 2 / 2; seed 1: ice0 0.5, ice9 2; step 0 is before --from-step
+    assert out["contrasted_per_group"] == {"trace": {"ice0": 0.5, "ice9": 1.5}}
+    assert out["threshold"] is None and out["rows"][0]["to"] is None
+
+
 def test_bootstrap_interval_resamples_the_seeds_of_every_arm_alike():
     """Two seeds: trace's seed 0 reaches uniform's final after 10 trajectories, its seed 1 after 30, uniform
     after 40. A draw of seed 0 twice (a quarter of them) gives 0.25; every other draw 0.75. An arm that

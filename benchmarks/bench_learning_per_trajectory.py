@@ -13,6 +13,9 @@ group (a difficulty level): its best held-out eval minus its last, seed-mean (th
 held-out eval from one evaluation to the next: how far a run falls back before it recovers. A third table,
 where the runs log them (`alloc/group/<g>/contrasted_prompts`), gives each arm's contrasted prompts a step
 per eval group from step `--from-step` on, seed means: which prompts an allocator spends its contrast on.
+`--ceiling` adds, for an environment with an exact best success (`greedy_success`: `synthetic_levels`),
+each group's ceiling on the evaluated split and each arm's headroom left, ceiling minus last eval: a group at
+its ceiling has contrasted groups from the environment's own randomness alone, nothing a policy can learn.
 `interval` is a percentile bootstrap over seeds of an arm's trajectories to the threshold divided by
 uniform's (`--versus A/B`: A's divided by B's): every draw resamples the seed indices with replacement,
 the same indices for every arm (seed k of every arm shares its warm start and prompt order), and
@@ -143,6 +146,30 @@ def composition_table(runs: dict[str, list[list[dict]]], from_step: int) -> dict
     return out
 
 
+def ceiling_table(first_run: str, levels: dict[str, dict[str, list[float]]], split: str) -> dict[str, float]:
+    """Per eval group: the mean exact best success over the split's tasks, for the env and turn budget of
+    `first_run`'s config.yaml, printed with each arm's headroom (ceiling - seed-mean last eval)."""
+    from trace_mega.config import TrainConfig, load_yaml
+    from trace_mega.envs import build_env
+    from trace_mega.evaluation import group_of
+
+    cfg = load_yaml(TrainConfig, Path(first_run) / "config.yaml")
+    env = build_env(cfg.env.name, **cfg.env.options)
+    if not hasattr(env, "greedy_success"):
+        raise SystemExit(f"--ceiling: env {cfg.env.name!r} has no exact best success (greedy_success)")
+    by_group: dict[str, list[float]] = {}
+    for task in env.tasks(split):
+        by_group.setdefault(group_of(task.meta), []).append(env.greedy_success(task, cfg.rollout.max_turns))
+    ceiling = {g: statistics.fmean(v) for g, v in sorted(by_group.items())}
+    rows = [{"arm": "ceiling"} | {g: f"{c:.3f}" for g, c in ceiling.items()}]
+    rows += [
+        {"arm": n} | {g: f"{ceiling[g] - v[1]:+.3f}" for g, v in by.items() if g in ceiling} for n, by in levels.items()
+    ]
+    print_table(rows, [("arm", "arm", "<")] + [(g, g, "<") for g in ceiling],
+                title=f"exact ceiling per eval group on {split}, and headroom left (ceiling - last eval)")  # fmt: skip
+    return ceiling
+
+
 def main(argv: list[str] | None = None) -> dict:
     from trace_mega.commands.demo import _mean_curve, eval_curve, first_reaching, learning
 
@@ -154,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--versus", action="append", default=[], help="A/B: bootstrap A's trajectories over B's")
     ap.add_argument("--draws", type=int, default=2000, help="bootstrap draws over the seeds")
     ap.add_argument("--from-step", type=int, default=0, help="first step of the per-group contrast table")
+    ap.add_argument("--ceiling", action="store_true", help="each eval group's exact ceiling and headroom left")
     args = ap.parse_args(argv)
     arms = dict(a.split("=", 1) for a in args.arm)
     runs = {name: load(pattern, name in args.kept) for name, pattern in arms.items()}
@@ -223,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
                                   ("interval", "90% interval", "<")], title="arm against arm")  # fmt: skip
     levels = forgetting_table(runs, args.split)
     composition = composition_table(runs, args.from_step)
+    first_run = sorted(glob.glob(next(iter(arms.values()))))[0]
+    ceiling = ceiling_table(first_run, levels, args.split) if args.ceiling else None
     curves = {
         name: [[round(x), round(y, 4)] for x, y in table[name]["eval_curve"]]
         for name in runs
@@ -236,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
         "curves": curves,
         "forgetting": levels,
         "contrasted_per_group": composition,
+        "ceiling": ceiling,
     }
     write_json(result, args.json)
     return result

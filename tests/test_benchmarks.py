@@ -159,6 +159,33 @@ def test_contrast_per_group_counts_a_level_a_step_holds_nowhere_as_zero(tmp_path
     assert out["threshold"] is None and out["rows"][0]["to"] is None
 
 
+def test_ceiling_is_each_levels_exact_best_success_on_the_split_and_headroom_what_is_left(tmp_path):
+    """A two-level walk (dry, ice 5) of 4 cells, 3 turns: the greedy ceiling per level over the test tasks,
+    and an arm's headroom = ceiling - its seed-mean last eval of that level."""
+    from trace_mega.config import TrainConfig, load_yaml, save_yaml
+    from trace_mega.envs.synthetic_levels import SyntheticLevelsEnv
+
+    module = load_benchmark("learning_per_trajectory")
+    options = dict(width=4, max_distance=2, levels=[0, 5], test_fraction=0.5, split_seed=0)
+    cfg = load_yaml(TrainConfig, "configs/demo_headroom_b16_cpu.yaml", ["rollout.max_turns=3"])
+    cfg.env.options = options
+    env = SyntheticLevelsEnv(**options)
+    want = {}
+    for t in env.tasks("test"):
+        want.setdefault(t.meta["benchmark"], []).append(SyntheticLevelsEnv.greedy_success(t, 3))
+    assert set(want) == {"ice0", "ice5"}
+    for seed in range(2):
+        run = tmp_path / "uniform" / f"seed{seed}"
+        save_yaml(cfg, run / "config.yaml")
+        rows = [{"step": 9, "alloc/generated_trajectories": 16, "alloc/contrasted_prompts": 1.0,
+                 "eval/test/reward": 0.5, "eval/test/ice0/mean@8": 0.9, "eval/test/ice5/mean@8": 0.1 + 0.2 * seed}]  # fmt: skip
+        (run / "metrics.jsonl").write_text(json.dumps(rows[0]))
+    out = module.main(["--arm", f"uniform={tmp_path}/uniform/seed*", "--ceiling", "--json", ""])
+    assert out["ceiling"] == {g: pytest.approx(sum(v) / len(v)) for g, v in want.items()}
+    assert out["ceiling"]["ice0"] == pytest.approx(1.0) and out["ceiling"]["ice5"] < 1.0
+    assert out["forgetting"]["uniform"]["ice5"][1] == pytest.approx(0.2)  # the last eval the headroom reads
+
+
 def test_bootstrap_interval_resamples_the_seeds_of_every_arm_alike():
     """Two seeds: trace's seed 0 reaches uniform's final after 10 trajectories, its seed 1 after 30, uniform
     after 40. A draw of seed 0 twice (a quarter of them) gives 0.25; every other draw 0.75. An arm that

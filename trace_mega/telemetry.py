@@ -89,9 +89,10 @@ def tree_metrics(packed: "PackedTrees", groups: Optional[Sequence[str]] = None) 
     mean = packed.node_reward_sum / packed.node_leaf_count.clamp(min=1)
     mixed = branch & (mean > 0) & (mean < 1)
     by_group: dict[str, float] = {}
-    for g, has, c in zip(groups or (), active.tolist(), contrasted.tolist()):
-        by_group[f"alloc/group/{g}/prompts"] = by_group.get(f"alloc/group/{g}/prompts", 0.0) + has
-        by_group[f"alloc/group/{g}/contrasted_prompts"] = by_group.get(f"alloc/group/{g}/contrasted_prompts", 0.0) + c
+    for g, *counts in zip(groups or (), active.tolist(), contrasted.tolist()):
+        for what, n in zip(("prompts", "contrasted_prompts"), counts):
+            key = f"alloc/group/{g}/{what}"
+            by_group[key] = by_group.get(key, 0.0) + n
     return by_group | {
         "alloc/effective_ratio": float(contrasted.sum() / active.sum().clamp(min=1)),
         "alloc/active_prompts": float(active.sum()),

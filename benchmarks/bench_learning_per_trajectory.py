@@ -12,7 +12,8 @@ group (a difficulty level): its best held-out eval minus its last, seed-mean (th
 `forgetting_per_group`), with the last eval beside it. `largest fall` is each seed's largest drop of the
 held-out eval from one evaluation to the next: how far a run falls back before it recovers. A third table,
 where the runs log them (`alloc/group/<g>/contrasted_prompts`), gives each arm's contrasted prompts a step
-per eval group from step `--from-step` on, seed means: which prompts an allocator spends its contrast on.
+per eval group from step `--from-step` on, seed means: which prompts an allocator spends its contrast on; a
+fourth the contrasted share of the prompts held per group: how well its picks within a level contrast.
 `--ceiling` adds, for an environment with an exact best success (`greedy_success`: `synthetic_levels`),
 each group's ceiling on the evaluated split and each arm's headroom left, ceiling minus last eval: a group at
 its ceiling has contrasted groups from the environment's own randomness alone, nothing a policy can learn.
@@ -125,24 +126,35 @@ def forgetting_table(runs: dict[str, list[list[dict]]], split: str) -> dict[str,
     return out
 
 
-def composition_table(runs: dict[str, list[list[dict]]], from_step: int) -> dict[str, dict[str, float]]:
-    """Per arm and eval group: contrasted prompts a step over the steps >= `from_step`, seed means (a group a
-    step does not hold counts 0 there), printed as one row per arm. Empty when no run logs per-group counts."""
-    out: dict[str, dict[str, float]] = {}
+def composition_table(runs: dict[str, list[list[dict]]], from_step: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Per arm and eval group, over the steps >= `from_step`, seed means: `contrasted`, the contrasted prompts a
+    step (a group a step does not hold counts 0 there), and `share`, the contrasted share of the prompts the steps
+    held there (how well an allocator's picks within a level turn out contrasted; an arm that drops groups, dapo,
+    counts the prompts it kept). Printed as one row per arm each; empty when no run logs per-group counts."""
+    out: dict[str, dict[str, dict[str, float]]] = {"contrasted": {}, "share": {}}
     for name, rs in runs.items():
-        per_seed = []
+        per_seed, shares = [], []
         for rows in rs:
             steps = [r for r in rows if r["step"] >= from_step]
-            keys = {k for r in steps for k in r if k.startswith("alloc/group/") and k.endswith("/contrasted_prompts")}
-            per_seed.append({k.split("/")[2]: sum(r.get(k, 0.0) for r in steps) / max(len(steps), 1) for k in keys})
+            keys = {k.split("/")[2] for r in steps for k in r if k.startswith("alloc/group/")}
+            held = {g: sum(r.get(f"alloc/group/{g}/prompts", 0.0) for r in steps) for g in keys}
+            hit = {g: sum(r.get(f"alloc/group/{g}/contrasted_prompts", 0.0) for r in steps) for g in keys}
+            per_seed.append({g: hit[g] / max(len(steps), 1) for g in keys})
+            shares.append({g: hit[g] / held[g] for g in keys if held[g]})
         groups = sorted(set().union(*per_seed))
         if groups:
-            out[name] = {g: statistics.fmean(s.get(g, 0.0) for s in per_seed) for g in groups}
-    groups = sorted(set().union(*out.values()))
+            out["contrasted"][name] = {g: statistics.fmean(s.get(g, 0.0) for s in per_seed) for g in groups}
+            out["share"][name] = {
+                g: statistics.fmean(s[g] for s in shares if g in s) for g in groups if any(g in s for s in shares)
+            }
+    groups = sorted(set().union(*out["contrasted"].values()))
     if groups:
-        rows = [{"arm": n} | by_group | {"all": sum(by_group.values())} for n, by_group in out.items()]
+        rows = [{"arm": n} | by_group | {"all": sum(by_group.values())} for n, by_group in out["contrasted"].items()]
         print_table(rows, [("arm", "arm", "<")] + [(g, g, ".2f") for g in groups] + [("all", "all", ".2f")],
                     title=f"contrasted prompts / step per eval group, steps >= {from_step} (seed means)")  # fmt: skip
+        rows = [{"arm": n} | by_group for n, by_group in out["share"].items()]
+        print_table(rows, [("arm", "arm", "<")] + [(g, g, ".2f") for g in groups],
+                    title=f"contrasted share of the prompts held per eval group, steps >= {from_step} (seed means)")  # fmt: skip
     return out
 
 
@@ -265,7 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
         "versus": versus_rows,
         "curves": curves,
         "forgetting": levels,
-        "contrasted_per_group": composition,
+        "contrasted_per_group": composition["contrasted"],
+        "contrasted_share_per_group": composition["share"],
         "ceiling": ceiling,
     }
     write_json(result, args.json)

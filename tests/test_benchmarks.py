@@ -143,19 +143,25 @@ def test_learning_per_trajectory_compares_arms_run_apart(tmp_path):
 
 
 def test_contrast_per_group_counts_a_level_a_step_holds_nowhere_as_zero(tmp_path):
-    """Runs without evaluation still give the per-group table: contrasted prompts a step from `--from-step`
-    on, a step without the group counting 0, then the seed mean."""
+    """Runs without evaluation still give the per-group tables: contrasted prompts a step from `--from-step`
+    on, a step without the group counting 0, then the seed mean; and the contrasted share of the prompts the
+    steps held in each group, per seed, then the seed mean (a seed that never held a group leaves it out)."""
     module = load_benchmark("learning_per_trajectory")
     for seed, late in enumerate((2.0, 4.0)):
         run = tmp_path / "trace" / f"seed{seed}"
         run.mkdir(parents=True)
-        rows = [{"step": 0, "alloc/contrasted_prompts": 9.0, "alloc/group/ice0/contrasted_prompts": 9.0}]
-        rows.append({"step": 1, "alloc/contrasted_prompts": late, "alloc/group/ice9/contrasted_prompts": late})
-        rows.append({"step": 2, "alloc/contrasted_prompts": 1.0, "alloc/group/ice0/contrasted_prompts": 1.0})
+        rows = [{"step": 0, "alloc/contrasted_prompts": 9.0, "alloc/group/ice0/contrasted_prompts": 9.0,
+                 "alloc/group/ice0/prompts": 9.0}]  # fmt: skip
+        rows.append({"step": 1, "alloc/contrasted_prompts": late, "alloc/group/ice9/contrasted_prompts": late,
+                     "alloc/group/ice9/prompts": 4.0})  # fmt: skip
+        rows.append({"step": 2, "alloc/contrasted_prompts": 1.0, "alloc/group/ice0/contrasted_prompts": 1.0,
+                     "alloc/group/ice0/prompts": 2.0 + 2.0 * seed})  # fmt: skip
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     out = module.main(["--arm", f"trace={tmp_path}/trace/seed*", "--from-step", "1", "--json", ""])
     # seed 0: ice0 (0 + 1) / 2, ice9 2 / 2; seed 1: ice0 0.5, ice9 2; step 0 is before --from-step
     assert out["contrasted_per_group"] == {"trace": {"ice0": 0.5, "ice9": 1.5}}
+    # ice0: 1 of 2 prompts (seed 0), 1 of 4 (seed 1); ice9: 2 of 4, 4 of 4
+    assert out["contrasted_share_per_group"] == {"trace": {"ice0": pytest.approx(0.375), "ice9": pytest.approx(0.75)}}
     assert out["threshold"] is None and out["rows"][0]["to"] is None
 
 

@@ -258,3 +258,39 @@ def test_rollout_is_weights_token_and_sequence():
     base = compute_loss(lp, batch, LossConfig(), old_logprobs=old).loss
     twice = compute_loss(lp, batch, LossConfig(), old_logprobs=old, is_weights=torch.full_like(lp, 2.0)).loss
     assert torch.allclose(twice, 2 * base)
+
+
+def test_policy_gradient_over_signal_scales_each_mini_batch_and_without_kl_updates_as_the_filtered_loss(learner):
+    """`drop_uncontrasted_from: policy_gradient`: each micro-batch's advantages carry its mini-batch's loss
+    tokens over the loss tokens of that mini-batch's trees with signal; with no KL or entropy term the step's
+    gradient equals `drop_uncontrasted`'s (the trees without signal out of the whole loss). The gradients are
+    compared by their norm: Adam's first step divides each element by its own magnitude, so the weights after
+    it differ on elements whose gradient is at rounding level."""
+    trees = _trees(n=4)
+    _flat([trees[1], trees[3]])  # two trees without signal
+    packed = pack(trees)
+    scaled = compute_advantages(
+        packed, trees, AdvantageConfig(name="tree", drop_uncontrasted=True, drop_uncontrasted_from="policy_gradient")
+    )
+    dropped = compute_advantages(packed, trees, AdvantageConfig(name="tree", drop_uncontrasted=True))
+    kept = compute_advantages(packed, trees, AdvantageConfig(name="tree"))
+    assert scaled.pg_over_signal and not dropped.pg_over_signal
+    loss_tokens = [int(packed.loss_mask[packed.tree_tokens([i])].sum()) for i in range(4)]
+    for ids in ([0, 1, 2], [1, 2, 3], [1, 3]):
+        signal = sum(loss_tokens[i] for i in ids if i in (0, 2))
+        want = sum(loss_tokens[i] for i in ids) / signal if signal else 1.0
+        for _, lb, idx in learner._micro_batches(packed, scaled, ids):
+            assert torch.allclose(lb.advantages, scaled.advantages[idx] * want)
+    w0 = _weights(learner)
+    norms = {}
+    for name, adv in (("scaled", scaled), ("dropped", dropped), ("kept", kept)):
+        _restore(learner, w0)
+        _configure(learner, lr=1e-2, epochs_per_step=1, mini_batches_per_step=1, contrasted_trees_per_mini_batch=0)
+        norms[name] = learner.train_step(packed, adv).metrics["loss/grad_norm"]
+        assert any(not torch.equal(a, b) for a, b in zip(w0, _weights(learner)))
+    assert norms["scaled"] == pytest.approx(norms["dropped"], rel=1e-5)
+    # the whole batch's mean: the same gradient, diluted by the loss tokens of the trees with signal over all
+    assert norms["kept"] == pytest.approx(
+        norms["dropped"] * (loss_tokens[0] + loss_tokens[2]) / sum(loss_tokens), rel=1e-5
+    )
+    _restore(learner, w0)

@@ -1,5 +1,6 @@
 """Advantage estimators (advantages.py) on hand-computed rollout trees."""
 
+import dataclasses
 import math
 
 import pytest
@@ -176,6 +177,52 @@ def test_drop_uncontrasted_leaves_the_trees_without_signal_out_of_the_mean(name)
     kept_coef = aggregation_coefficients(kept.loss_batch(p), "token_mean")
     # three trees of equal size: the contrasted one's tokens count 3x what they do among all three
     assert float(coef[tree_of_token == 0].sum()) == pytest.approx(3 * float(kept_coef[tree_of_token == 0].sum()))
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "sequence_mean", "prompt_mean"])
+def test_drop_from_the_policy_gradient_keeps_the_kl_over_every_tree(agg):
+    """`drop_uncontrasted_from: policy_gradient`: the advantages times `signal_scale` give the policy term of
+    `drop_uncontrasted` (its mean over the contrasted tree) and the KL term of the whole batch, in value and in
+    every gradient, under each aggregation."""
+    from trace_mega.config import LossConfig
+    from trace_mega.objective.losses import compute_loss, signal_scale
+
+    trees = [_flat([1, 0, 1, 0], "c"), _flat([1, 1, 1, 1], "s"), _flat([0, 0, 0, 0], "u")]
+    p = pack(trees)
+    scaled = compute_advantages(
+        p, trees, AdvantageConfig(name="tree", drop_uncontrasted=True, drop_uncontrasted_from="policy_gradient")
+    )
+    dropped = compute_advantages(p, trees, AdvantageConfig(name="tree", drop_uncontrasted=True))
+    kept = compute_advantages(p, trees, AdvantageConfig(name="tree"))
+    assert scaled.pg_over_signal and torch.equal(scaled.token_weight, kept.token_weight)
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(p.num_tokens, generator=g)
+    ref = old - 0.3 * torch.rand(p.num_tokens, generator=g)
+    x0 = old + 0.2 * torch.randn(p.num_tokens, generator=g)
+    kl, no_kl = LossConfig(kl_coef=0.04, aggregation=agg), LossConfig(aggregation=agg)
+
+    def loss(batch, cfg):
+        x = x0.clone().requires_grad_(True)
+        out = compute_loss(x, batch, cfg, old_logprobs=old, ref_logprobs=ref).loss
+        out.backward()
+        return out.detach(), x.grad
+
+    whole = scaled.loss_batch(p)
+    s = signal_scale(whole, agg)
+    assert s > 1.0
+    got = loss(dataclasses.replace(whole, advantages=whole.advantages * s), kl)
+    pg = loss(dropped.loss_batch(p), no_kl)
+    kl_all = [a - b for a, b in zip(loss(kept.loss_batch(p), kl), loss(kept.loss_batch(p), no_kl))]
+    assert torch.allclose(got[0], pg[0] + kl_all[0], atol=1e-6)
+    assert torch.allclose(got[1], pg[1] + kl_all[1], atol=1e-6)
+    assert kl_all[1].abs().sum() > 0 and not torch.allclose(got[1], loss(dropped.loss_batch(p), kl)[1], atol=1e-6)
+
+
+def test_drop_from_needs_drop_uncontrasted():
+    from trace_mega.configbase import ConfigError
+
+    with pytest.raises(ConfigError, match="drop_uncontrasted_from"):
+        AdvantageConfig(drop_uncontrasted_from="policy_gradient").validate()
 
 
 def test_packed_grpo_with_per_leaf_weights_equals_flattened_grpo():

@@ -64,7 +64,7 @@ from trace_mega.learner.optim import (
 from trace_mega.learner.parallel import ParallelGroups, init_parallel
 from trace_mega.learner.routing_replay import install, own_routing_sums, take_metrics
 from trace_mega.objective.advantages import Advantages
-from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, unit_count
+from trace_mega.objective.losses import LossBatch, aggregation_mode, compute_loss, signal_scale, unit_count
 from trace_mega.objective.mismatch import correction_weights, rollout_correction
 from trace_mega.ops.attention import tree_attention_mask
 from trace_mega.ops.balance import balanced_bins, contrast_bins
@@ -311,18 +311,25 @@ class Learner:
         The trees are binned by tokens into dp * n bins (`balanced_bins`, n = micro-batches per
         rank from the token budget, never more bins than trees: an empty one cannot run); rank r
         takes bins r::dp so every rank runs the same number of micro-batches. Advantages and token
-        weights are sliced from `adv`.
+        weights are sliced from `adv`; with `adv.pg_over_signal` the advantages are scaled by the unit count
+        of all the trees `tree_ids` (the mini-batch, every rank's) over that of their trees with signal.
         """
         g = self.groups
         per_tree = packed.tree_num_tokens().tolist()
         sizes = [per_tree[i] for i in tree_ids]
         n = max(1, math.ceil(sum(sizes) / (g.dp_size * self.cfg.parallel.micro_batch_tokens)))
         n = min(n, max(1, len(tree_ids) // g.dp_size))
+        scale = 1.0
+        if adv.pg_over_signal:  # the same scale on every rank: it counts the whole mini-batch
+            every = list(tree_ids)
+            whole = adv.loss_batch(packed.select(every), packed.tree_tokens(every))
+            scale = signal_scale(whole, aggregation_mode(self.cfg.loss))
         out = []
         for b in balanced_bins(sizes, g.dp_size * n)[g.dp_rank :: g.dp_size]:
             ids = [tree_ids[j] for j in b]
             idx = packed.tree_tokens(ids)
-            out.append((ids, adv.loss_batch(packed.select(ids), idx), idx))
+            lb = adv.loss_batch(packed.select(ids), idx)
+            out.append((ids, lb if scale == 1.0 else dataclasses.replace(lb, advantages=lb.advantages * scale), idx))
         return out
 
     def train_step(

@@ -5,7 +5,9 @@ order) to one advantage per node, A(n), and then per stream token:
 
     advantages[t]   = A(node of t) · m_t                      (m_t = loss mask)
     token_weight[t] = m_t · (1 if shared_token_weight == "once" else n(node of t))
-                      (· 0 on a tree whose A(n) are all 0, with `drop_uncontrasted`)
+                      (· 0 on a tree whose A(n) are all 0, with `drop_uncontrasted`; with
+                      `drop_uncontrasted_from: policy_gradient` the weights stay and the learner
+                      scales the advantages instead, `losses.signal_scale`)
 
 n(g) = leaves below node g; roots (prompts) get A = 0. Each token of a shared prefix is stored once in the packed
 stream; "once" counts it once in the loss (the default: a shared turn is one decision),
@@ -87,6 +89,9 @@ class Advantages:
     """(T,) fp32 per-token loss weight, 0 off the loss mask."""
     node_advantage: torch.Tensor
     """(N,) fp32 A(n) per node."""
+    pg_over_signal: bool = False
+    """The policy gradient's mean runs over the trees with signal, the other terms' over every tree: the learner
+    scales each mini-batch's advantages by `losses.signal_scale` (`drop_uncontrasted_from: policy_gradient`)."""
 
     def loss_batch(self, packed: PackedTrees, tokens: Optional[torch.Tensor] = None) -> LossBatch:
         """The loss's input for `packed`: the whole layout these advantages were computed on, or (with
@@ -153,10 +158,10 @@ def _to_tokens(packed: PackedTrees, node_adv: torch.Tensor, cfg: AdvantageConfig
         weight = packed.node_leaf_count[packed.token_node].float() * m
     else:
         raise ValueError(f"unknown shared_token_weight {cfg.shared_token_weight!r}; valid: once, per_leaf")
-    if cfg.drop_uncontrasted:  # a tree without signal leaves the loss's mean, as a filtered group does
+    if cfg.drop_uncontrasted and cfg.drop_uncontrasted_from == "loss":  # it leaves the mean, as a filtered group
         signal = node_adv.new_zeros(packed.num_trees).index_add(0, packed.node_tree, node_adv.abs()) > 0  # (B,)
         weight = weight * signal[packed.node_tree[packed.token_node]].to(weight)
-    return Advantages(adv, weight, node_adv)
+    return Advantages(adv, weight, node_adv, pg_over_signal=cfg.drop_uncontrasted_from == "policy_gradient")
 
 
 def _grpo_nodes(packed: PackedTrees, normalize_std: bool) -> torch.Tensor:

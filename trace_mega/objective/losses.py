@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -76,6 +76,7 @@ __all__ = [
     "LossFn",
     "AGGREGATIONS",
     "aggregation_coefficients",
+    "signal_scale",
     "unit_count",
     "resolve_clip",
     "aggregation_mode",
@@ -191,6 +192,18 @@ def unit_count(batch: LossBatch, mode: str) -> torch.Tensor:
         per_tree = _tree_sums(batch.packed, _token_units(batch))
         return (per_tree > 0).sum().float()
     raise ValueError(f"unknown aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+
+
+def signal_scale(batch: LossBatch, mode: str) -> float:
+    """U / U_s for aggregation `mode`: the batch's unit count over that of its trees with signal (a loss token with
+    A_t != 0). With the advantages times this, the policy term is its mean over those trees alone, while the KL and
+    entropy terms keep their mean over every tree: the aggregations normalise within a path or a tree but for one
+    batch-wide count. 1 when no tree has signal (the policy term is 0 then)."""
+    signal = _tree_sums(batch.packed, batch.advantages.abs()) > 0  # (B,)
+    tree_of_token = batch.packed.node_tree[batch.packed.token_node]
+    weight = _token_units(batch) * signal[tree_of_token].to(torch.float32)
+    kept = float(unit_count(replace(batch, token_weight=weight), mode))
+    return float(unit_count(batch, mode)) / kept if kept > 0 else 1.0
 
 
 def _tree_sums(packed: PackedTrees, values: torch.Tensor) -> torch.Tensor:

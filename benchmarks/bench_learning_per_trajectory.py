@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
                                   ("interval", "90% interval", "<")], title="arm against arm")  # fmt: skip
     levels = forgetting_table(runs, args.split)
     composition = composition_table(runs, args.from_step)
-    first_run = sorted(glob.glob(next(iter(arms.values()))))[0]
-    ceiling = ceiling_table(first_run, levels, args.split) if args.ceiling else None
+    first_run = sorted(glob.glob(next(iter(arms.values()))))[0] if args.ceiling else None
+    ceiling = ceiling_table(first_run, levels, args.split) if first_run else None
     curves = {
         name: [[round(x), round(y, 4)] for x, y in table[name]["eval_curve"]]
         for name in runs

@@ -419,9 +419,7 @@ class AdvantageConfig:
     """Tokens of a tree whose advantages are all 0 weigh 0, so the loss's mean runs over the trees with signal, as on
     dynamic sampling's filtered batch (the trees still reach the predictor)."""
     drop_uncontrasted_from: Literal["loss", "policy_gradient"] = "loss"
-    """What `drop_uncontrasted` takes those trees out of: the whole loss (its KL and entropy terms too, as a filtered
-    batch) | policy_gradient (its mean alone: each mini-batch's advantages are scaled by its loss units over those of
-    its trees with signal, and the KL and entropy terms keep their mean over every tree)."""
+    """What drop_uncontrasted drops them from: loss (KL, entropy too) | policy_gradient (alone: losses.signal_scale)."""
     gigpo_step_weight: float = 1.0
     """gigpo: weight omega of the anchor-state (step) advantage added to the episode advantage."""
     gigpo_gamma: float = 0.95
@@ -429,8 +427,8 @@ class AdvantageConfig:
 
     def validate(self) -> None:
         require(0 < self.gigpo_gamma <= 1, "gigpo_gamma", "must be in (0, 1]")
-        msg = "says what drop_uncontrasted drops the trees from: set drop_uncontrasted"
-        require(self.drop_uncontrasted or self.drop_uncontrasted_from == "loss", "drop_uncontrasted_from", msg)
+        ok = self.drop_uncontrasted or self.drop_uncontrasted_from == "loss"
+        require(ok, "drop_uncontrasted_from", "says what drop_uncontrasted drops trees from: set drop_uncontrasted")
         msg = "picks the outcome term (grpo | rloo | tree | gigpo); TRACE-C is switched on by credit.enabled"
         require(self.name != "trace_credit", "name", msg)
         msg = "rloo's leave-one-out baseline is not std-normalised"

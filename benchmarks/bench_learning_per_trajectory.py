@@ -137,6 +137,8 @@ def composition_table(runs: dict[str, list[list[dict]]], from_step: int) -> dict
         for rows in rs:
             steps = [r for r in rows if r["step"] >= from_step]
             keys = {k.split("/")[2] for r in steps for k in r if k.startswith("alloc/group/")}
+            if not keys:  # a run from before the per-group counts: it says nothing, not 0
+                continue
             held = {g: sum(r.get(f"alloc/group/{g}/prompts", 0.0) for r in steps) for g in keys}
             hit = {g: sum(r.get(f"alloc/group/{g}/contrasted_prompts", 0.0) for r in steps) for g in keys}
             per_seed.append({g: hit[g] / max(len(steps), 1) for g in keys})

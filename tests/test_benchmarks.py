@@ -157,6 +157,9 @@ def test_contrast_per_group_counts_a_level_a_step_holds_nowhere_as_zero(tmp_path
         rows.append({"step": 2, "alloc/contrasted_prompts": 1.0, "alloc/group/ice0/contrasted_prompts": 1.0,
                      "alloc/group/ice0/prompts": 2.0 + 2.0 * seed})  # fmt: skip
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    old = tmp_path / "trace" / "seed2"  # a run from before the per-group counts: left out, not counted as 0
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 1, "alloc/contrasted_prompts": 3.0}))
     out = module.main(["--arm", f"trace={tmp_path}/trace/seed*", "--from-step", "1", "--json", ""])
     # seed 0: ice0 (0 + 1) / 2, ice9 2 / 2; seed 1: ice0 0.5, ice9 2; step 0 is before --from-step
     assert out["contrasted_per_group"] == {"trace": {"ice0": 0.5, "ice9": 1.5}}

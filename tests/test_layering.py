@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "trace_mega"
 # every layer below it (within a layer the import graph must still be acyclic, which Python enforces).
 LAYERS: list[tuple[str, ...]] = [
     ("configbase", "registry", "logs", "resources"),  # foundations
-    ("config",),  # typed configs: only fields and their checks
+    ("config", "config_trace_a"),  # typed configs: only fields and their checks
     ("kernels",),  # Triton kernels and their PyTorch references
     ("rollout.tree", "envs.base"),  # the records every stage reads: trees, packed layout, env contract
     ("rollout.react",),  # the ReAct scaffold: prompts, parser, error observations

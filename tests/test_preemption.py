@@ -166,8 +166,9 @@ def test_non_finite_probe_values_skip_the_update_and_are_named(tmp_path):
 @pytest.mark.slow
 def test_a_resume_brings_back_the_predictors_optimiser_and_replay_window(tmp_path):
     """One process, stopped by the clock after step 0 and resumed: the rest logs what an uninterrupted
-    run logs (the predictor's Adam moments and replay window come back with the checkpoint)."""
-    run = [*RUN[1:], "steps=3"]
+    run logs (the predictor's Adam moments and replay window come back with the checkpoint, and the
+    prompt memory: step 2 revisits step 0's prompts, 16 tasks at 8 a step)."""
+    run = [*RUN[1:], "steps=3", "predictor.memory_prior_rollouts=4"]
     ref = _train(tmp_path / "ref", *run)
     ck = f"checkpoint.dir={tmp_path / 'ck'}"
     cmd = [sys.executable, "-m", "trace_mega", "train", "--config", str(CONFIG), *SMALL, *run, ck]

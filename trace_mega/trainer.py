@@ -42,7 +42,7 @@ from trace_mega.learner.hf_files import hf_config, policy_tokenizer, write_hf_ex
 from trace_mega.learner.learner import Learner
 from trace_mega.objective.advantages import ADVANTAGES, compute_advantages
 from trace_mega.objective.losses import LOSSES
-from trace_mega.predictor import Calibration, SkillGuard, build_predictor, plot_reliability
+from trace_mega.predictor import Calibration, PromptMemory, SkillGuard, build_predictor, plot_reliability
 from trace_mega.rollout.collector import RolloutCollector
 from trace_mega.rollout.engines import ENGINES, EngineSetup, build_engine
 from trace_mega.rollout.engines.routing import packed_routes
@@ -116,6 +116,8 @@ class Trainer:
             enabled=cfg.allocation.predictor_fallback and self.allocator.uses_predictor,
         )
         self.sampler = PromptSampler(len(self.tasks), cfg.seed)
+        p = cfg.predictor
+        self.memory = PromptMemory(len(self.tasks), p.memory_prior_rollouts, p.memory_half_life_steps)
         self.sink = MetricsSink.from_config(cfg.telemetry, to_dict(cfg), enabled=self.is_main)
         if self.is_main:  # the resolved config of the run (`trace-mega export --run OUT_DIR` reads it)
             save_yaml(cfg, Path(cfg.telemetry.out_dir) / "config.yaml")
@@ -144,14 +146,17 @@ class Trainer:
             allocator = self.fallback if self.use_fallback else self.allocator
             self.rollouts.begin_step(seed=cfg.seed * 1_000_003 + step)
             with timer("step"):
-                tasks = [self.tasks[i] for i in self.sampler.next(cfg.allocation.prompts_per_step)]
+                index = self.sampler.next(cfg.allocation.prompts_per_step)
+                tasks = [self.tasks[i] for i in index]
                 batch = StepBatch.from_prompts(step, tasks, self.rollouts.prompt_ids(tasks))
-                batch.v_root = self._predict(batch, batch.root_nodes(), allocator)  # plan roots
+                v_root = self._predict(batch, batch.root_nodes(), allocator)  # plan roots
+                batch.v_root = self.memory.pool(index, v_root, step, read=allocator.uses_predictor)
                 batch.rollouts = allocator.plan_roots(batch.v_root, gen).cpu()
                 with timer("rollout"):  # roll out (in rounds where the allocator refills: dapo)
                     grown, batch.rollouts, keep = self.rollouts.roll_out_rounds(
                         tasks, batch.trees, batch.rollouts, allocator, seed=2 * step, generator=gen
                     )
+                self.memory.record(index, grown, step)  # the prompts' own outcomes, for their next visits
                 batch.grow(grown, keep=keep)  # prompts given none, or dropped by the allocator, leave
                 batch.prefixes = cand = batch.prefix_candidates(cfg.rollout.max_turns - cfg.allocation.min_turns_left)
                 batch.v_prefix = self._predict(batch, cand.node, allocator, replay=True)  # score prefixes
@@ -183,13 +188,17 @@ class Trainer:
             )
             metrics |= self._throughput(batch.packed, timer.seconds["time/step_s"])
             spent = int(batch.rollouts.sum() + batch.continuations.sum() + batch.root_continuations.sum())
-            metrics |= {
-                "alloc/fallback": float(allocator is not self.allocator),
-                "alloc/generated_trajectories": float(spent),  # dapo: its dropped groups' included
-                "alloc/budget_unspent": float(allocator.trajectories_per_step - spent),
-                "alloc/root_continuations": float(batch.root_continuations.sum()),
-                "data/prompt_hash": _hash(tasks),
-            } | allocator.metrics()
+            metrics |= (
+                {
+                    "alloc/fallback": float(allocator is not self.allocator),
+                    "alloc/generated_trajectories": float(spent),  # dapo: its dropped groups' included
+                    "alloc/budget_unspent": float(allocator.trajectories_per_step - spent),
+                    "alloc/root_continuations": float(batch.root_continuations.sum()),
+                    "data/prompt_hash": _hash(tasks),
+                }
+                | allocator.metrics()
+                | self.memory.metrics()
+            )
             metrics |= self.guard.update(metrics)  # the smoothed held-out skill decides the next step
             self.use_fallback = self.guard.fallback
             self.step = step + 1
@@ -288,6 +297,7 @@ class Trainer:
             "sampler": dataclasses.asdict(self.sampler.state),
             "use_fallback": self.use_fallback,
             "guard": self.guard.state_dict(),
+            "memory": self.memory.state_dict(),
             "config": to_dict(self.cfg),
         }
 
@@ -326,6 +336,8 @@ class Trainer:
         self.sampler = PromptSampler(len(self.tasks), self.cfg.seed, SamplerState(**state["sampler"]))
         self.use_fallback = bool(state["use_fallback"])
         self.guard.load_state_dict(state["guard"])
+        if "memory" in state:  # checkpoints before the prompt memory have none
+            self.memory.load_state_dict(state["memory"])
         pred = Path(ck.dir) / f"predictor_{self.step:08d}.pt"
         self.predictor.load_state_dict(torch.load(pred, map_location=self.learner.groups.device))
         rank_state = state["rank_state"] or {}

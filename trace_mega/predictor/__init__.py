@@ -2,11 +2,13 @@
 
 from trace_mega.predictor.calibration import Calibration, calibration, plot_reliability
 from trace_mega.predictor.guard import SkillGuard
+from trace_mega.predictor.memory import PromptMemory
 from trace_mega.predictor.model import PREDICTORS, Predictor, PredictorFit, build_predictor
 from trace_mega.predictor.targets import PredictorSamples, predictor_samples
 
 __all__ = [
     "SkillGuard",
+    "PromptMemory",
     "Calibration",
     "calibration",
     "plot_reliability",

@@ -2,12 +2,10 @@
 
 The predictor ranks prompts by what they share (their words, the policy's state at their last token).
 At a small budget it sees each train prompt's groups about twice a run, so within a difficulty level it
-ranks weakly (docs/results/allocation.md, "What the predictor's picks get within a level"). A prompt's
-own last group says more about its next one: whether a group is contrasted repeats from one visit of a
-prompt to the next far more often than across the prompts of its level (docs/allocation.md, "Prompt
-memory"). The memory is a Beta posterior per prompt whose prior mean is the prediction v, worth
-`prior_rollouts` rollouts, and whose evidence is the prompt's earlier root rollouts, each weighted by
-2^(-age / half_life_steps) because the policy moves between visits:
+ranks weakly, and a prompt's own last group says more about its next one (docs/results/allocation.md,
+attempt 22; docs/allocation.md, "Prompt memory"). The memory is a Beta posterior per prompt whose prior
+mean is the prediction v, worth `prior_rollouts` rollouts, and whose evidence is the prompt's earlier
+root rollouts, each weighted by 2^(-age / half_life_steps) because the policy moves between visits:
 
     v_post = (prior_rollouts * v + sum_j w_j r_j) / (prior_rollouts + sum_j w_j)
 

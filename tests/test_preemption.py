@@ -167,8 +167,8 @@ def test_non_finite_probe_values_skip_the_update_and_are_named(tmp_path):
 def test_a_resume_brings_back_the_predictors_optimiser_and_replay_window(tmp_path):
     """One process, stopped by the clock after step 0 and resumed: the rest logs what an uninterrupted
     run logs (the predictor's Adam moments and replay window come back with the checkpoint, and the
-    prompt memory: step 2 revisits step 0's prompts, 16 tasks at 8 a step)."""
-    run = [*RUN[1:], "steps=3", "predictor.memory_prior_rollouts=4"]
+    prompt memory: steps 2 and 3 revisit step 0's prompts, 16 tasks at 8 a step)."""
+    run = [*RUN[1:], "steps=4", "predictor.memory_prior_rollouts=4"]
     ref = _train(tmp_path / "ref", *run)
     ck = f"checkpoint.dir={tmp_path / 'ck'}"
     cmd = [sys.executable, "-m", "trace_mega", "train", "--config", str(CONFIG), *SMALL, *run, ck]
@@ -178,4 +178,4 @@ def test_a_resume_brings_back_the_predictors_optimiser_and_replay_window(tmp_pat
     rest = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert_same_rows(ref, _rows(tmp_path / "run"))
-    assert json.loads((tmp_path / "ck" / "step_00000003" / "trainer_state.json").read_text())["trainer_step"] == 3
+    assert json.loads((tmp_path / "ck" / "step_00000004" / "trainer_state.json").read_text())["trainer_step"] == 4

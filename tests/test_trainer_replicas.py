@@ -83,7 +83,7 @@ def assert_same_run(one: list[dict], two: list[dict], replicas: int) -> None:
                 ok = b[k] == v or (v != v and b[k] != b[k])
             elif k in DIFFERENCES:
                 ok = abs(b[k] - v) < 1e-6
-            elif k.startswith("loss/"):
+            elif k.startswith(("loss/", "memory/")):  # memory/: its Brier scores read the predictions
                 ok = _close(v, b[k], 1e-5, 1e-9)
             elif k.startswith("credit/"):
                 ok = _close(v, b[k], 1e-4, 1e-7)
@@ -103,13 +103,20 @@ def assert_same_run(one: list[dict], two: list[dict], replicas: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "run",
-    [[*RUN, "allocation.name=trace"], [*RUN, "allocation.name=trace_global"], CREDIT],
-    ids=["trace", "trace_global", "trace_c_probe"],
+    [
+        [*RUN, "allocation.name=trace"],
+        [*RUN, "allocation.name=trace_global"],
+        CREDIT,
+        # Step 2 revisits step 0's prompts (16 tasks, 8 a step), so the prompt memory plans it.
+        [*RUN, "allocation.name=trace", "predictor.memory_prior_rollouts=4", "steps=3"],
+    ],
+    ids=["trace", "trace_global", "trace_c_probe", "trace_prompt_memory"],
 )
 def test_dp2_equals_dp1(tmp_path, run):
     one = _train(tmp_path / "dp1", *run)
     two = _torchrun(tmp_path / "dp2", *run)
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(len(one))) and len(one) >= 2
+    assert all(r["memory/known_fraction"] > 0 for r in one[2:])  # the memory planned step 2
     assert any(r["loss/total"] != 0 for r in one)  # not a trivial run
     assert run is CREDIT or sum(r["reward/mean"] for r in one) > 0
     assert_same_run(one, two, replicas=2)

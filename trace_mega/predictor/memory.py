@@ -50,39 +50,41 @@ class PromptMemory:
             return v
         idx = torch.as_tensor(list(task_index), dtype=torch.long)
         s, n = self._decayed(idx, step)
-        k = self.prior_rollouts
-        post = (k * v.detach().cpu().double() + s) / (k + n)
-        self._planned = (idx, v.detach().cpu().double(), post)
+        prior = v.detach().cpu().double()
+        post = (self.prior_rollouts * prior + s) / (self.prior_rollouts + n)
+        self._planned = (idx, prior, post)
         return post.to(device=v.device, dtype=v.dtype)
 
     def record(self, task_index: Sequence[int], trees: Sequence[RolloutTree], step: int) -> None:
         """Add the root rollouts of `trees` (one per candidate in `task_index`, as the rollout returns
-        them, before any continuation) to the memory; a tree without leaves adds nothing."""
-        rewards = [t.leaf_rewards() for t in trees]
-        served = [j for j, r in enumerate(rewards) if r]
-        self._metrics = self._scores(served, rewards)
-        if not served:
+        them, before any continuation) to the memory; a tree without leaves adds nothing. Off, it keeps
+        nothing (and checkpoints nothing)."""
+        if not self.enabled:
             return
-        idx = torch.as_tensor([int(task_index[j]) for j in served], dtype=torch.long)
+        rewards = [t.leaf_rewards() for t in trees]
+        served = torch.as_tensor([j for j, r in enumerate(rewards) if r], dtype=torch.long)
+        sums = torch.tensor([sum(rewards[j]) for j in served.tolist()], dtype=torch.float64)
+        counts = torch.tensor([float(len(rewards[j])) for j in served.tolist()], dtype=torch.float64)
+        self._metrics = self._scores(served, sums / counts)
+        if not served.numel():
+            return
+        idx = torch.as_tensor(list(task_index), dtype=torch.long)[served]
         s, n = self._decayed(idx, step)
-        self.reward_sum[idx] = s + torch.tensor([sum(rewards[j]) for j in served], dtype=torch.float64)
-        self.count[idx] = n + torch.tensor([float(len(rewards[j])) for j in served], dtype=torch.float64)
+        self.reward_sum[idx] = s + sums
+        self.count[idx] = n + counts
         self.last_step[idx] = float(step)
 
-    def _scores(self, served: list[int], rewards: list[list[float]]) -> dict[str, float]:
-        """The Brier scores, on the served candidates' group means, of the plan's posterior and of the
-        prediction it pooled (`memory/brier`, `memory/brier_prediction`), and the share of served
-        candidates the memory knew (`memory/known_fraction`)."""
-        if self._planned is None or not served:
+    def _scores(self, served: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+        """The Brier scores against the served candidates' (`served`) group means `target` of the plan's
+        posterior and of the prediction it pooled (`memory/brier`, `memory/brier_prediction`), and the
+        share of served candidates the memory knew (`memory/known_fraction`)."""
+        if self._planned is None or not served.numel():
             return {}
-        idx, v, post = self._planned
-        j = torch.as_tensor(served, dtype=torch.long)
-        target = torch.tensor([sum(rewards[i]) / len(rewards[i]) for i in served], dtype=torch.float64)
-        known = self.count[idx[j]] > 0
+        idx, prior, post = self._planned
         return {
-            "memory/brier": float(((post[j] - target) ** 2).mean()),
-            "memory/brier_prediction": float(((v[j] - target) ** 2).mean()),
-            "memory/known_fraction": float(known.double().mean()),
+            "memory/brier": float(((post[served] - target) ** 2).mean()),
+            "memory/brier_prediction": float(((prior[served] - target) ** 2).mean()),
+            "memory/known_fraction": float((self.count[idx[served]] > 0).double().mean()),
         }
 
     def metrics(self) -> dict[str, float]:
